@@ -1,0 +1,1 @@
+"""dflash-serve: DFlash speculative decoding as a service."""

@@ -1,0 +1,19 @@
+"""DFlash draft model, target adapter (feature capture) and checkpoint I/O."""
+
+from services.models.checkpoint import CheckpointError, load_drafter, save_drafter
+from services.models.draft import DFlashDraftModel, DraftContext
+from services.models.draft_config import DFlashDraftConfig, DraftConfigError, default_target_layer_ids
+from services.models.target import TargetLoadError, TargetModel
+
+__all__ = [
+    "CheckpointError",
+    "DFlashDraftConfig",
+    "DFlashDraftModel",
+    "DraftConfigError",
+    "DraftContext",
+    "TargetLoadError",
+    "TargetModel",
+    "default_target_layer_ids",
+    "load_drafter",
+    "save_drafter",
+]

@@ -1,0 +1,124 @@
+"""The target model: any Hugging Face causal LM, with the drafter's feature capture.
+
+Feature k is the residual stream right after decoder layer k (after its MLP residual add,
+before the final norm) — HF's `hidden_states[k + 1]`. We take it with forward hooks on the
+selected layers only: `output_hidden_states=True` would keep every layer's states alive
+(18.5 GB at 64 K tokens on Qwen3-8B) for the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+
+class TargetLoadError(RuntimeError):
+    """The target model could not be loaded; the message says where it was looked for."""
+
+
+def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    """The decoder-layer list of a causal LM, also when the text model sits inside a multimodal
+    wrapper (Gemma-3/4 conditional-generation checkpoints)."""
+    for base in (model.get_decoder(), getattr(model, "model", None), getattr(model, "language_model", None)):
+        for candidate in (base, getattr(base, "language_model", None)):
+            layers = getattr(candidate, "layers", None)
+            if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+                return layers
+    raise TargetLoadError(f"{type(model).__name__}: cannot find its decoder layers (looked for .model.layers)")
+
+
+class TargetModel:
+    """Wraps an HF causal LM: forward with feature capture, input embedding, LM head."""
+
+    def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int] = ()):
+        self.model = model
+        self.config = model.config.get_text_config()
+        self.layers = decoder_layers(model)
+        self.layer_ids = tuple(int(i) for i in layer_ids)
+        for k in self.layer_ids:
+            if not 0 <= k < len(self.layers):
+                raise ValueError(f"target_layer_ids contains {k}, but the target has {len(self.layers)} decoder layers")
+        self.input_embeddings: nn.Embedding = model.get_input_embeddings()
+        self.lm_head: nn.Module = model.get_output_embeddings()
+        if self.lm_head is None:
+            raise TargetLoadError(f"{type(model).__name__} has no output embeddings (LM head)")
+        self.final_logit_softcapping: float | None = getattr(self.config, "final_logit_softcapping", None) or None
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = [self.layers[k].register_forward_hook(self._capture_hook(k)) for k in sorted(set(self.layer_ids))]
+
+    def _capture_hook(self, k: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self._captured[k] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        layer_ids: Sequence[int] = (),
+        *,
+        dtype: torch.dtype | str = "auto",
+        device: str | torch.device = "cpu",
+        revision: str | None = None,
+    ) -> TargetModel:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, revision=revision)
+        except OSError as err:
+            raise TargetLoadError(
+                f"cannot load target '{name_or_path}': {err}. Pass a local folder holding config.json and "
+                "*.safetensors, or a hub repo id on a machine that reaches the hub (or has it in the HF cache)."
+            ) from err
+        return cls(model.to(device).eval(), layer_ids)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def embedding_rows(self) -> int:
+        return int(self.input_embeddings.weight.shape[0])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.input_embeddings.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_embeddings.weight.device
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The target's own input embedding, with whatever scaling it applies (Gemma: × sqrt(H))."""
+        return self.input_embeddings(ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on final-normed hidden states, with the target's softcap (Gemma) applied."""
+        logits = self.lm_head(hidden)
+        cap = self.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def forward_with_features(self, input_ids: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the target; -> (logits, features [.., T, F*H] in `layer_ids` order, or None without ids)."""
+        self._captured.clear()
+        try:
+            logits = self.model(input_ids=input_ids, **kwargs).logits
+            if not self.layer_ids:
+                return logits, None
+            features = torch.cat([self._captured[k] for k in self.layer_ids], dim=-1)
+        finally:
+            self._captured.clear()  # never keep activations alive between calls
+        return logits, features
+
+    def close(self) -> None:
+        """Remove the capture hooks (the wrapped HF model is left as it was)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()

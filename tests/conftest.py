@@ -1,0 +1,64 @@
+"""Shared builders for tests: tiny random targets and drafters, written in the z-lab format."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from services.models import DFlashDraftConfig, DFlashDraftModel
+
+
+def drafter_config(**overrides) -> dict:
+    """A tiny z-lab-style config.json dict (Qwen3-8B-DFlash-b16 layout at toy size)."""
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 5,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,  # nh*hd = 64 != H: must be read from config, not derived
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 4096,
+        "attention_bias": False,
+        "vocab_size": 96,
+        "block_size": 16,
+        "num_target_layers": 8,
+        "layer_types": ["full_attention"] * 5,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+        "dflash_config": {"mask_token_id": 95, "target_layer_ids": [1, 2, 4, 5, 6]},
+    }
+    for key, value in overrides.items():
+        if key == "dflash_config":
+            cfg["dflash_config"] = {**cfg["dflash_config"], **value}
+        else:
+            cfg[key] = value
+    return copy.deepcopy(cfg)
+
+
+def random_drafter(cfg: dict, seed: int = 0, dtype: torch.dtype = torch.float64) -> DFlashDraftModel:
+    """Weights large enough that attention is far from uniform and norms are not all ones."""
+    model = DFlashDraftModel(DFlashDraftConfig.from_dict(cfg)).to(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            else:
+                param.copy_(noise / math.sqrt(param.shape[-1]))
+    return model.eval()
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(1234)
+    yield
