@@ -88,7 +88,7 @@ def rope_inv_freq_and_scaling(config: dict) -> tuple[torch.Tensor, float]:
     rope_type = cfg.rope_parameters["rope_type"]
     if rope_type == "default":
         # transformers' own default (float32 inv_freq, as the drafter was trained with)
-        inv_freq, scaling = Qwen3RotaryEmbedding.compute_default_rope_parameters(cfg, torch.device("cpu"))
+        inv_freq, scaling = Qwen3RotaryEmbedding.compute_default_rope_parameters(cfg)
         inv_freq = inv_freq.to(torch.float64)
     elif rope_type in ("dynamic", "longrope"):
         # these depend on the running sequence length; no z-lab drafter uses them

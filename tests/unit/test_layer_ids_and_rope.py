@@ -54,7 +54,7 @@ def test_rope_tables_equal_transformers(case):
     hf_cfg = Qwen3Config(hidden_size=32, num_attention_heads=4, head_dim=128, **fields)
     rope_type = hf_cfg.rope_parameters["rope_type"]
     if rope_type == "default":
-        theirs, their_scale = Qwen3RotaryEmbedding.compute_default_rope_parameters(hf_cfg, torch.device("cpu"))
+        theirs, their_scale = Qwen3RotaryEmbedding.compute_default_rope_parameters(hf_cfg)
     else:
         theirs, their_scale = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, torch.device("cpu"))
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
