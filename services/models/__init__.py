@@ -1,7 +1,7 @@
 """DFlash draft model, target adapter (feature capture) and checkpoint I/O."""
 
 from services.models.checkpoint import CheckpointError, load_drafter, save_drafter
-from services.models.draft import DFlashDraftModel, DraftContext
+from services.models.draft import DFlashDraftModel, DraftAttentionContext, DraftContext
 from services.models.draft_config import DFlashDraftConfig, DraftConfigError, default_target_layer_ids
 from services.models.target import TargetLoadError, TargetModel
 
@@ -10,6 +10,7 @@ __all__ = [
     "DFlashDraftConfig",
     "DFlashDraftModel",
     "DraftConfigError",
+    "DraftAttentionContext",
     "DraftContext",
     "TargetLoadError",
     "TargetModel",

@@ -12,9 +12,8 @@ per committed token and keeps it in a KV cache; `forward` then only runs the B b
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +41,23 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class DraftAttentionContext(Protocol):
+    """Where the context keys/values live and how a block attends over them.
+
+    `attend` gets one layer's block queries [N, nh, B, hd], block keys/values [N, nkv, B, hd]
+    (normed and rotated) and the block positions [N, B]; it returns the attention output
+    [N, nh, B, hd] over context + block.
+    `DraftContext` below keeps the context dense in memory; the engine's implementation keeps it
+    in a paged KV pool. The model code is the same for both.
+    """
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
+               causal: bool, window: int | None) -> torch.Tensor: ...
+
+
 @dataclass
 class DraftContext:
-    """Context keys/values of every draft layer for a batch of N sequences, padded to T rows.
+    """Dense context keys/values of every draft layer for a batch of N sequences, padded to T rows.
 
     kv[i] = (k, v), each [N, num_kv_heads, T, head_dim], k already normed and rotated.
     positions [N, T] are absolute positions; valid [N, T] marks the real (non-padding) rows.
@@ -53,6 +66,16 @@ class DraftContext:
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     positions: torch.Tensor
     valid: torch.Tensor
+
+    def attend(self, layer, q, k, v, positions, *, causal, window):
+        key_positions = torch.cat([self.positions, positions], dim=1)
+        key_valid = torch.cat([self.valid, torch.ones_like(positions, dtype=torch.bool)], dim=1)
+        visible = visible_keys(positions, key_positions, key_valid, causal=causal, window=window)
+        k = torch.cat([self.kv[layer][0], k], dim=2)  # context first, then the block
+        v = torch.cat([self.kv[layer][1], v], dim=2)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=visible, scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != k.shape[1]
+        )
 
 
 def visible_keys(
@@ -103,22 +126,11 @@ class DraftAttention(nn.Module):
         k = apply_rotary(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
         return k, self._heads(self.v_proj(x), self.num_kv_heads)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        context_kv: tuple[torch.Tensor, torch.Tensor],
-        visible: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                context: DraftAttentionContext, layer: int, causal: bool, window: int | None) -> torch.Tensor:
         q = apply_rotary(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
         k, v = self.project_kv(x, cos, sin)
-        # Context first, then the block (the order does not change the result, but matches the spec).
-        k = torch.cat([context_kv[0], k], dim=2)
-        v = torch.cat([context_kv[1], v], dim=2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=visible, scale=1.0 / math.sqrt(self.head_dim), enable_gqa=self.num_heads != self.num_kv_heads
-        )
+        out = context.attend(layer, q, k, v, positions, causal=causal, window=window)
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 
@@ -136,6 +148,7 @@ class DraftMLP(nn.Module):
 class DraftLayer(nn.Module):
     def __init__(self, config: DFlashDraftConfig, index: int):
         super().__init__()
+        self.index = index
         self.causal = config.layer_is_causal(index)
         self.window = config.layer_window(index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -143,8 +156,9 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DraftMLP(config)
 
-    def forward(self, x, cos, sin, context_kv, visible) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, visible)
+    def forward(self, x, cos, sin, positions, context: DraftAttentionContext) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        x = x + self.self_attn(h, cos, sin, positions, context, self.index, self.causal, self.window)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -180,18 +194,13 @@ class DFlashDraftModel(nn.Module):
 
     # -- block side: one forward per round ------------------------------------------------------
 
-    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, context: DraftContext) -> torch.Tensor:
+    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
+                context: DraftAttentionContext) -> torch.Tensor:
         """Block embeddings [N, B, H] at positions [N, B] -> final-normed hidden states [N, B, H]."""
         x = block_embeds.to(self.dtype)
         cos, sin = self.rotary.cos_sin(block_positions, self.dtype)
-        key_positions = torch.cat([context.positions, block_positions], dim=1)
-        key_valid = torch.cat([context.valid, torch.ones_like(block_positions, dtype=torch.bool)], dim=1)
-        masks: dict[tuple[bool, int | None], torch.Tensor] = {}
-        for layer, kv in zip(self.layers, context.kv, strict=True):
-            kind = (layer.causal, layer.window)
-            if kind not in masks:
-                masks[kind] = visible_keys(block_positions, key_positions, key_valid, causal=kind[0], window=kind[1])
-            x = layer(x, cos, sin, kv, masks[kind])
+        for layer in self.layers:
+            x = layer(x, cos, sin, block_positions, context)
         return self.norm(x)
 
     # -- the target's embedding and LM head -----------------------------------------------------
@@ -238,7 +247,7 @@ class DFlashDraftModel(nn.Module):
         return logits
 
     def draft_logits(
-        self, target: TargetModel, bonus_ids: torch.Tensor, start: torch.Tensor, context: DraftContext
+        self, target: TargetModel, bonus_ids: torch.Tensor, start: torch.Tensor, context: DraftAttentionContext
     ) -> torch.Tensor:
         """One round's proposal: bonus token ids [N] at positions start [N] -> logits [N, B-1, V]
         for the tokens at positions start+1 .. start+B-1."""

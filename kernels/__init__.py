@@ -1,0 +1,22 @@
+"""GPU kernels behind small Python APIs, each beside the plain-torch reference that is also its CPU path.
+
+- `paged_attention`: packed variable-length queries over a paged KV cache (causal or not,
+  sliding window, GQA) — target prefill/verify/decode and the drafter's block forward.
+- `inject_context_kv`: the drafter's fused k_norm + RoPE + paged cache write of context K/V for all
+  draft layers in one launch.
+
+The Triton kernels run when the tensors are on CUDA (or under TRITON_INTERPRET=1); otherwise, or
+without triton installed, the references run. Nothing here imports `services`.
+"""
+
+from kernels.kv_injection import inject_context_kv, inject_context_kv_reference, inject_context_kv_triton
+from kernels.paged_attention import paged_attention, paged_attention_reference, paged_attention_triton
+
+__all__ = [
+    "inject_context_kv",
+    "inject_context_kv_reference",
+    "inject_context_kv_triton",
+    "paged_attention",
+    "paged_attention_reference",
+    "paged_attention_triton",
+]

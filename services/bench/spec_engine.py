@@ -1,0 +1,202 @@
+"""GPU benchmark of the engine at real scale: AR vs DFlash tokens/s and a per-step breakdown.
+
+Random-weight Qwen3-8B-shaped target and Qwen3-8B-DFlash-b16-shaped drafter are built on the
+GPU (no weights to download). Random drafts are never accepted, so DFlash rows use the
+benchmark-only SYNTHETIC acceptance switch (`Engine.synthetic_tau`): every round is forced to
+accept a fixed number of drafts. Every DFlash row says so; no default ever turns it on.
+
+    python -m services.bench.spec_engine --out BENCH.json
+
+Reported per (mode, batch):
+- tok/s: output tokens per second of the decode phase (prefill excluded), no syncs inside steps;
+- step ms: wall time per engine step (one round for every sequence);
+- draft / verify / accept / other ms: the same step with a device sync between phases;
+- forward ms: one graph replay of the verify (B tokens per sequence) and of the draft forward.
+Goals (issue 3): AR batch-1 decode ≥ 80% of the memory floor (weight bytes / copy bandwidth);
+DFlash step ≤ 1.25 × (one 16-token verify + one draft forward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from services.config import EngineConfig
+from services.engine.loader import assemble_engine
+from services.engine.sampling import SamplingParams
+from services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel
+
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
+                max_position_embeddings=40960, tie_word_embeddings=False)
+QWEN3_8B_DFLASH_B16 = {
+    "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960, "vocab_size": 151936,
+    "block_size": 16, "num_target_layers": 36, "layer_types": ["full_attention"] * 5,
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+}
+
+
+def build_models(device: str) -> tuple[Qwen3ForCausalLM, DFlashDraftModel]:
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            hf = Qwen3ForCausalLM(Qwen3Config(**QWEN3_8B)).eval()
+            drafter = DFlashDraftModel(DFlashDraftConfig.from_dict(QWEN3_8B_DFLASH_B16)).eval()
+            for p in drafter.parameters():
+                torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+    finally:
+        torch.set_default_dtype(prev)
+    return hf, drafter
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a large device-to-device copy, counting bytes read and written."""
+    src = torch.randn(2**30 // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 20 * 2 * src.numel() * src.element_size() / (start.elapsed_time(end) / 1e3)
+
+
+def time_replay(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def run_case(engine, batch: int, prompt_len: int, max_tokens: int) -> dict:
+    g = torch.Generator().manual_seed(batch)
+    vocab = engine.vocab_size - 1000
+    prompts = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    while any(s.is_prefilling or not s.output_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill (and nothing else) until every sequence decodes
+    torch.cuda.synchronize()
+    out0 = sum(len(s.output_ids) for s in engine.scheduler.running)
+    steps, t0 = 0, time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    seqs = list(engine.sequences.values())
+    produced = sum(len(s.output_ids) for s in seqs) - out0
+    rounds = sum(s.stats.rounds for s in seqs)
+    tau = (sum(s.stats.accepted_tokens for s in seqs) + rounds) / rounds if rounds else 1.0
+    engine.sequences.clear()
+    return {"tok_s": produced / elapsed, "step_ms": 1e3 * elapsed / max(steps, 1), "steps": steps, "tau": tau}
+
+
+def phase_breakdown(engine, batch: int, prompt_len: int, steps: int) -> dict:
+    """Per-phase device times with a sync between phases (slower than the tok/s run)."""
+    engine.sync_phase_timings = True
+    engine.timings = type(engine.timings)()
+    run_case(engine, batch, prompt_len, steps)
+    tm = engine.timings
+    engine.sync_phase_timings = False
+    r = max(tm.rounds, 1)
+    return {k: 1e3 * getattr(tm, k) / r for k in ("draft", "verify", "accept", "bookkeeping")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--taus", default="1,4,6.5,10", help="SYNTHETIC acceptance lengths for the DFlash rows")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    device = "cuda"
+    batches = [int(b) for b in args.batches.split(",")]
+    taus = [float(t) for t in args.taus.split(",")]
+
+    hf, drafter = build_models(device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    bandwidth = copy_bandwidth(device)
+    floor_ms = 1e3 * weight_bytes / bandwidth
+    print(f"device {torch.cuda.get_device_name()}; target {weight_bytes / 1e9:.2f} GB bf16; copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s -> memory floor {floor_ms:.2f} ms per target forward", flush=True)
+
+    results = {"device": torch.cuda.get_device_name(), "weight_bytes": weight_bytes, "bandwidth": bandwidth,
+               "floor_ms": floor_ms, "rows": []}
+    for batch in batches:
+        blocks = batch * (-(-(args.prompt_len + args.max_tokens + 32) // 16)) + 64
+        base = EngineConfig(target="random-qwen3-8b", device=device, num_kv_blocks=blocks, max_num_seqs=batch,
+                            max_prefill_tokens=8192)
+        ar = assemble_engine(base, TargetModel(hf), None)
+        ar_fwd = time_replay(lambda: ar.graphs.verify(ar.graphs.bucket_for(batch)))
+        row = {"mode": "AR", "batch": batch, "tau": 1.0, "synthetic": False, "verify_fwd_ms": ar_fwd,
+               **run_case(ar, batch, args.prompt_len, args.max_tokens)}
+        results["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        del ar
+        torch.cuda.empty_cache()
+
+        target = TargetModel(hf, drafter.config.target_layer_ids)
+        spec = assemble_engine(base, target, drafter)
+        bucket = spec.graphs.bucket_for(batch)
+        verify_ms = time_replay(lambda: spec.graphs.verify(bucket))
+        draft_ms = time_replay(lambda: spec.graphs.draft(bucket))
+        for tau in taus:
+            spec.synthetic_tau = tau
+            row = {"mode": "DFlash", "batch": batch, "synthetic": True, "target_tau": tau, "verify_fwd_ms": verify_ms,
+                   "draft_fwd_ms": draft_ms, **run_case(spec, batch, args.prompt_len, args.max_tokens)}
+            row["phases_ms"] = phase_breakdown(spec, batch, args.prompt_len, 64)
+            row["step_over_fwd"] = row["step_ms"] / (verify_ms + draft_ms)
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        target.close()
+        del spec
+        torch.cuda.empty_cache()
+
+    print(markdown_table(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def markdown_table(results: dict) -> str:
+    lines = [
+        "| mode | batch | τ | tok/s | step ms | verify fwd ms | draft fwd ms | step / (verify+draft) | draft / verify / accept / other ms (synced) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["rows"]:
+        if r["mode"] == "AR":
+            lines.append(f"| AR | {r['batch']} | 1 | {r['tok_s']:.1f} | {r['step_ms']:.2f} | {r['verify_fwd_ms']:.2f} | - | - | - |")
+        else:
+            p = r["phases_ms"]
+            lines.append(
+                f"| DFlash (SYNTHETIC τ={r['target_tau']:g}) | {r['batch']} | {r['tau']:.2f} | {r['tok_s']:.1f} | "
+                f"{r['step_ms']:.2f} | {r['verify_fwd_ms']:.2f} | {r['draft_fwd_ms']:.2f} | {r['step_over_fwd']:.2f} | "
+                f"{p['draft']:.2f} / {p['verify']:.2f} / {p['accept']:.2f} / {p['bookkeeping']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

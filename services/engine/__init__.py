@@ -1,0 +1,1 @@
+"""The speculative engine: paged KV, scheduler, spec step, verification, embedded Engine."""

@@ -1,0 +1,335 @@
+"""The embedded engine: add requests, step, stream, cancel.
+
+One step = prefill chunks for new sequences, then one speculative round for every decoding
+sequence (spec §3):  draft → verify → accept → commit → trim.
+
+- draft: the proposer drafts B−1 tokens after each bonus token (positions s+1..s+B−1);
+- verify: one target forward over [bonus, drafts] at positions s..s+B−1 (paged KV, causal);
+- accept: the target samples every slot (greedy or seeded sampling); drafts are accepted while
+  they equal those samples, so every emitted token is the target's own;
+- commit: the a+1 emitted tokens go through the stop checker (which may end the request inside
+  the block); the target cache keeps s..s+a, and feature rows of slots 0..a — only those —
+  become the drafter's next context;
+- trim: blocks past the cached positions go back to the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from services.config import EngineConfig
+from services.engine.cuda_graphs import RoundGraphs
+from services.engine.draft_runner import Proposer
+from services.engine.kv_cache import AttentionBatch, BlockAllocator
+from services.engine.request import RequestOutput, Sequence, SequenceStatus
+from services.engine.sampling import SamplingBatch, SamplingParams, accept_drafts, resolve_seed, sample_tokens
+from services.engine.scheduler import PrefillChunk, Scheduler
+from services.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
+from services.engine.target_runner import TargetRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent per phase, summed over steps (for benchmarks and metrics)."""
+
+    prefill: float = 0.0
+    draft: float = 0.0
+    verify: float = 0.0
+    accept: float = 0.0
+    bookkeeping: float = 0.0
+    rounds: int = 0
+    sequences_per_round: list[int] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: TargetRunner,
+        proposer: Proposer | None,
+        allocator: BlockAllocator,
+        config: EngineConfig,
+        *,
+        tokenizer=None,
+        eos_token_ids: Iterable[int] = (),
+        max_model_len: int,
+    ):
+        self.runner = runner
+        self.proposer = proposer
+        self.allocator = allocator
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.block_size = proposer.block_size if proposer is not None else 1
+        self.scheduler = Scheduler(allocator, config, lookahead=self.block_size)
+        self.device = runner.target.device
+        self.vocab_size = runner.target.embedding_rows
+        self.sequences: dict[str, Sequence] = {}
+        self.timings = StepTimings()
+        self._ids = itertools.count()
+        self._seed_rng = random.Random(0)
+        self._outputs: list[RequestOutput] = []
+        self.graphs: RoundGraphs | None = None  # set by the loader on CUDA
+        # Benchmarks only: wait for the GPU between phases so the phase timings are device times.
+        self.sync_phase_timings = False
+        # Benchmark-only: force the mean accepted length τ of every round (labelled wherever used).
+        self.synthetic_tau: float | None = None
+        self._synthetic_debt = 0.0
+
+    # -- public API -----------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request; raises ValueError saying what to fix when it can never be served."""
+        params.validate(max_tokens_limit=self.config.max_tokens_limit)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine was built without one")
+        # Room for the prompt, the generated tokens and one round's lookahead.
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model takes at most {self.max_model_len - 1}")
+        capacity = self.allocator.num_blocks * self.allocator.block_size
+        needed = len(prompt_ids) + min(params.max_tokens, room) + self.block_size
+        if needed > capacity:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) needs {needed} KV slots; "
+                f"the cache holds {capacity}: lower max_tokens or raise num_kv_blocks"
+            )
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
+        if params.max_tokens > room:  # generation ends at the model's length limit
+            params = dataclasses.replace(params, max_tokens=room)
+        stop = StopChecker(params, eos_token_ids=self.eos_token_ids, prompt_len=len(prompt_ids), detokenizer=detok)
+        seq = Sequence(request_id, list(prompt_ids), params, resolve_seed(params, self._seed_rng), stop)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; False if it is unknown or already done."""
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.status is SequenceStatus.FINISHED:
+            return False
+        self._finish(seq, FinishReason.CANCELLED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        now = time.monotonic()
+        for chunk in plan.prefills:
+            if chunk.seq.scheduled_time is None:
+                chunk.seq.scheduled_time = now
+        if plan.prefills:
+            self._guarded(self._prefill, plan.prefills, [c.seq for c in plan.prefills])
+        if plan.decodes:
+            self._guarded(self._spec_round, plan.decodes, plan.decodes)
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
+        """Run one request to completion, yielding its outputs as they come (other queued requests
+        are stepped along with it)."""
+        request_id = self.add_request(prompt_ids, params)
+        while True:
+            for out in self.step():
+                if out.request_id == request_id:
+                    yield out
+                    if out.finished:
+                        return
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        """Run a batch of requests to completion; returns their finished sequences in order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        while any(self.sequences[i].status is not SequenceStatus.FINISHED for i in ids):
+            self.step()
+        return [self.sequences.pop(i) for i in ids]
+
+    def release(self, request_id: str) -> Sequence | None:
+        """Drop a finished request's record (the server does this once it has streamed it)."""
+        seq = self.sequences.get(request_id)
+        if seq is not None and seq.status is SequenceStatus.FINISHED:
+            return self.sequences.pop(request_id)
+        return None
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def _guarded(self, phase, work, seqs: list[Sequence]) -> None:
+        """A failing forward fails its requests, frees their blocks and leaves the engine serving."""
+        try:
+            phase(work)
+        except Exception as err:  # noqa: BLE001 - any failure of a batch must not take the others down
+            log.exception("engine step failed for %d request(s)", len(seqs))
+            for seq in seqs:
+                if seq.status is not SequenceStatus.FINISHED:
+                    seq.error = f"{type(err).__name__}: {err}"
+                    self._finish(seq, FinishReason.ERROR)
+
+    def _prefill(self, chunks: list[PrefillChunk]) -> None:
+        t0 = time.perf_counter()
+        ids, positions = [], []
+        for c in chunks:
+            ids.extend(c.seq.tokens[c.start : c.start + c.length])
+            positions.extend(range(c.start, c.start + c.length))
+        batch = AttentionBatch.build(
+            [c.seq.block_table for c in chunks], [c.start for c in chunks], [c.length for c in chunks],
+            self.allocator.block_size, self.device,
+        )
+        # Fresh sequences whose prompt completes now sample their first token from the last row.
+        sampling = [c for c in chunks if c.completes_prefill and not c.seq.output_ids]
+        last_rows = torch.tensor(
+            [int(batch.query_start[chunks.index(c) + 1]) - 1 for c in sampling], dtype=torch.long, device=self.device
+        )
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        logits, features = self.runner.forward(ids_t, pos_t, batch, last_rows)
+        if self.proposer is not None:
+            self.proposer.inject_context(features, pos_t, batch.slot_mapping)
+        for c in chunks:
+            c.seq.num_cached = c.start + c.length
+        if sampling:
+            seqs = [c.seq for c in sampling]
+            first = sample_tokens(
+                logits[:, None], self._sampling_batch(seqs),
+                torch.tensor([[s.num_cached] for s in seqs], dtype=torch.long, device=self.device),
+            )
+            now = time.monotonic()
+            for seq, token in zip(seqs, first[:, 0].tolist(), strict=True):
+                seq.first_token_time = now
+                self._commit(seq, [token])
+        self.timings.prefill += time.perf_counter() - t0
+
+    def _spec_round(self, seqs: list[Sequence]) -> None:
+        t0 = time.perf_counter()
+        n, block = len(seqs), self.block_size
+        starts = [s.num_cached for s in seqs]
+        starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)
+        positions = starts_t[:, None] + torch.arange(block, device=self.device)
+        graphs = self.graphs if self.graphs is not None and n <= self.graphs.max_batch else None
+        if graphs is not None:
+            bucket = graphs.load([s.bonus for s in seqs], starts, [s.block_table for s in seqs])
+            slots = None  # computed inside the graphs (bucket.slots after the verify replay)
+        else:
+            batch = AttentionBatch.build([s.block_table for s in seqs], starts, [block] * n, self.allocator.block_size,
+                                         self.device)
+            bonus = torch.tensor([s.bonus for s in seqs], dtype=torch.long, device=self.device)
+            slots = batch.slot_mapping
+        t1 = self._phase_mark()
+
+        if graphs is not None:
+            if self.proposer is not None:
+                graphs.draft(bucket)
+            drafts = bucket.drafts[:n] if self.proposer is not None else None
+        elif self.proposer is not None:
+            drafts = self.proposer.propose([s.request_id for s in seqs], bonus, starts_t, batch)
+        else:
+            drafts = None
+        t2 = self._phase_mark()
+
+        if graphs is not None:
+            graphs.verify(bucket)
+            logits, slots = bucket.logits[: n * block], bucket.slots[: n * block]
+            features = None if bucket.features is None else bucket.features[: n * block]
+        else:
+            block_ids = bonus[:, None] if drafts is None else torch.cat([bonus[:, None], drafts.to(bonus.dtype)], dim=1)
+            rows = torch.arange(n * block, device=self.device)
+            logits, features = self.runner.forward(block_ids.flatten(), positions.flatten(), batch, rows)
+        t3 = self._phase_mark()
+
+        # The token sampled at slot j is the one at position s+j+1.
+        target_tokens = sample_tokens(logits.view(n, block, -1), self._sampling_batch(seqs), positions + 1)
+        accepted = accept_drafts(drafts, target_tokens) if drafts is not None else torch.zeros(n, dtype=torch.long)
+        if self.synthetic_tau is not None:
+            accepted = torch.full_like(accepted, self._synthetic_accept_length(block))
+        accepted_list, tokens_list = accepted.tolist(), target_tokens.tolist()  # the step's one host sync
+        t4 = self._phase_mark()
+
+        keep_rows = []
+        for i, (seq, a) in enumerate(zip(seqs, accepted_list, strict=True)):
+            if drafts is not None:
+                seq.stats.record(block - 1, a)
+            seq.num_cached = starts[i] + a + 1
+            self._commit(seq, tokens_list[i][: a + 1])
+            if seq.status is SequenceStatus.RUNNING:  # a finished one's blocks are already free
+                keep_rows.extend(range(i * block, i * block + a + 1))
+        if self.proposer is not None and keep_rows:
+            rows_t = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
+            self.proposer.inject_context(features[rows_t], positions.flatten()[rows_t], slots[rows_t])
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self.scheduler.trim(seq)
+        t5 = self._phase_mark()
+
+        tm = self.timings
+        tm.draft += t2 - t1
+        tm.verify += t3 - t2
+        tm.accept += t4 - t3
+        tm.bookkeeping += (t1 - t0) + (t5 - t4)
+        tm.rounds += 1
+        tm.sequences_per_round.append(n)
+
+    def _synthetic_accept_length(self, block: int) -> int:
+        """Accepted drafts for this round so that the running mean of a+1 tracks synthetic_tau."""
+        self._synthetic_debt += self.synthetic_tau - 1
+        a = min(int(self._synthetic_debt + 0.5), block - 1)
+        self._synthetic_debt -= a
+        return a
+
+    def _phase_mark(self) -> float:
+        """A timestamp between phases; with `sync_phase_timings` (benchmarks) the GPU work queued
+        so far is waited for first, so the phase times are device times, at some cost in speed."""
+        if self.sync_phase_timings and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        return SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs], self.device)
+
+    def _commit(self, seq: Sequence, tokens: list[int]) -> None:
+        """Append a round's tokens up to the first stop; stream them; finish the request if it stopped."""
+        kept, text, reason = seq.stop.append(tokens)
+        seq.output_ids.extend(kept)
+        if reason is not None:
+            self._finish(seq, reason, kept, text)
+        else:
+            self._emit(seq, kept, text)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, tokens: list[int] | None = None, text: str = "") -> None:
+        seq.finish_reason = reason
+        seq.status = SequenceStatus.FINISHED
+        self.scheduler.remove(seq)
+        self._emit(seq, tokens or [], text)
+
+    def _emit(self, seq: Sequence, tokens: list[int], text: str) -> None:
+        self._outputs.append(
+            RequestOutput(
+                request_id=seq.request_id,
+                new_token_ids=tokens,
+                new_text=text,
+                finished=seq.status is SequenceStatus.FINISHED,
+                finish_reason=seq.finish_reason,
+                num_prompt_tokens=len(seq.prompt_ids),
+                num_output_tokens=len(seq.output_ids),
+                stats=seq.stats,
+                error=seq.error,
+            )
+        )

@@ -1,0 +1,122 @@
+"""Paged KV: one block allocator shared by the target and drafter pools, and the pools themselves.
+
+Both models index their caches by absolute token position, and a sequence never holds more
+positions in one pool than in the other (target: committed tokens + the verify block; drafter:
+committed context + the draft block), so one block table per sequence addresses both pools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class OutOfKVBlocks(RuntimeError):
+    """Not enough free blocks right now; the scheduler waits or preempts."""
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks={num_blocks}: the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # LIFO: recently freed blocks are reused first (warm in L2).
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_hold(self, table: list[int], num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) - len(table) <= self.num_free
+
+    def grow(self, table: list[int], num_tokens: int) -> None:
+        """Extend `table` to cover positions 0..num_tokens-1; all or nothing."""
+        missing = self.blocks_for(num_tokens) - len(table)
+        if missing <= 0:
+            return
+        if missing > len(self._free):
+            raise OutOfKVBlocks(f"need {missing} KV blocks, {len(self._free)} free")
+        for _ in range(missing):
+            table.append(self._free.pop())
+
+    def trim(self, table: list[int], num_tokens: int) -> None:
+        """Give back the blocks past what positions 0..num_tokens-1 need."""
+        keep = self.blocks_for(num_tokens)
+        while len(table) > keep:
+            self._free.append(table.pop())
+
+    def release(self, table: list[int]) -> None:
+        self._free.extend(reversed(table))
+        table.clear()
+
+
+@dataclass
+class KVPool:
+    """K and V of every layer of one model: [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> KVPool:
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys/values [T, num_kv_heads, head_dim] at flat slots [T]."""
+        self.k[layer].view(-1, *self.k.shape[-2:]).index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[layer].view(-1, *self.v.shape[-2:]).index_copy_(0, slots, v.to(self.v.dtype))
+
+
+@dataclass
+class AttentionBatch:
+    """One forward's view of the paged cache (the layout kernels.paged_attention takes).
+
+    Sequence i's new tokens are rows query_start[i]:query_start[i+1] of the packed batch, at the
+    last q_len_i of its seq_lens[i] positions; slot_mapping says where their K/V go.
+    """
+
+    block_tables: torch.Tensor  # int32 [N, max_blocks]
+    seq_lens: torch.Tensor  # int32 [N]
+    query_start: torch.Tensor  # int32 [N + 1]
+    slot_mapping: torch.Tensor  # int64 [total_q]
+    max_query_len: int
+
+    @classmethod
+    def build(cls, tables: list[list[int]], starts: list[int], query_lens: list[int], block_size: int,
+              device: torch.device | str) -> AttentionBatch:
+        """Sequences whose new tokens sit at positions starts[i] .. starts[i]+query_lens[i]-1."""
+        width = max((len(t) for t in tables), default=0) or 1
+        table = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        starts_t = torch.tensor(starts, dtype=torch.int64)
+        lens = torch.tensor(query_lens, dtype=torch.int64)
+        query_start = torch.zeros(len(tables) + 1, dtype=torch.int32)
+        query_start[1:] = torch.cumsum(lens, 0)
+        # positions of every new token, then their flat cache slots
+        seq_index = torch.repeat_interleave(torch.arange(len(tables)), lens)
+        positions = starts_t[seq_index] + torch.arange(int(lens.sum())) - query_start[:-1].long()[seq_index]
+        slots = table[seq_index, positions // block_size].long() * block_size + positions % block_size
+        return cls(
+            block_tables=table.to(device),
+            seq_lens=(starts_t + lens).to(torch.int32).to(device),
+            query_start=query_start.to(device),
+            slot_mapping=slots.to(device),
+            max_query_len=max(query_lens, default=0),
+        )

@@ -1,0 +1,113 @@
+"""Build an `Engine` from an `EngineConfig`: models, tokenizer, KV pools sized to the device."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from services.config import EngineConfig
+from services.engine.cuda_graphs import DEFAULT_BUCKETS, RoundGraphs
+from services.engine.draft_runner import DraftRunner
+from services.engine.engine import Engine
+from services.engine.kv_cache import BlockAllocator, KVPool
+from services.engine.target_runner import TargetRunner
+from services.models import DFlashDraftModel, TargetModel, load_drafter
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BLOCKS = 512
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # bf16 matmuls are slow on CPUs; GPUs run the checkpoints' own bf16.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype={name!r} is not a torch dtype (use auto, bfloat16, float16 or float32)")
+    return dtype
+
+
+def eos_token_ids(name_or_path: str, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(name_or_path).eos_token_id
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    except OSError:
+        pass  # no generation_config.json: the tokenizer's EOS below is all there is
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def num_kv_blocks(config: EngineConfig, device: torch.device, bytes_per_block: int) -> int:
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    if device.type != "cuda":
+        return CPU_DEFAULT_KV_BLOCKS
+    free, _ = torch.cuda.mem_get_info(device)
+    # Leave room for activations of the largest forward (prefill chunk / verify batch).
+    blocks = int(free * config.kv_memory_fraction) // bytes_per_block
+    if blocks <= 0:
+        raise RuntimeError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free after loading the models)")
+    return blocks
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    config.validate()
+    device = torch.device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    drafter = load_drafter(config.drafter, dtype=dtype, device=device) if config.drafter else None
+    layer_ids = drafter.config.target_layer_ids if drafter is not None else ()
+    target = TargetModel.from_pretrained(config.target, layer_ids, dtype=dtype, device=device)
+    if drafter is not None:
+        drafter.check_target(target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config.target)
+    except (OSError, ValueError):
+        log.warning("no tokenizer found with %s: token ids in and out only, no stop strings", config.target)
+        tokenizer = None
+    return assemble_engine(config, target, drafter, tokenizer=tokenizer,
+                           eos_token_ids=eos_token_ids(config.target, tokenizer))
+
+
+def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDraftModel | None, *, tokenizer=None,
+                    eos_token_ids: set[int] | frozenset[int] = frozenset()) -> Engine:
+    """An engine around models already in memory: KV pools sized to the device, CUDA graphs."""
+    device, dtype = target.device, target.dtype
+    t_layers, t_heads, t_dim = TargetRunner.kv_shape(target)
+    per_block = KVPool.bytes_per_block(t_layers, config.kv_block_size, t_heads, t_dim, dtype)
+    if drafter is not None:
+        d_layers, d_heads, d_dim = DraftRunner.kv_shape(drafter)
+        per_block += KVPool.bytes_per_block(d_layers, config.kv_block_size, d_heads, d_dim, dtype)
+    blocks = num_kv_blocks(config, device, per_block)
+    log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", blocks, config.kv_block_size, blocks * per_block / 2**30)
+
+    lookahead = drafter.config.block_size if drafter is not None else 1
+    use_graphs = config.cuda_graphs and device.type == "cuda"
+    # CUDA graphs pad small batches with rows that write into these reserved scratch blocks.
+    scratch = -(-lookahead // config.kv_block_size) if use_graphs else 0
+    if blocks <= scratch:
+        raise ValueError(f"num_kv_blocks={blocks} is too small; need more than {scratch}")
+    allocator = BlockAllocator(blocks - scratch, config.kv_block_size)
+    runner = TargetRunner(
+        target, KVPool.allocate(t_layers, blocks, config.kv_block_size, t_heads, t_dim, dtype, device)
+    )
+    proposer = None
+    if drafter is not None:
+        pool = KVPool.allocate(d_layers, blocks, config.kv_block_size, d_heads, d_dim, dtype, device)
+        proposer = DraftRunner(drafter, target, pool)
+    max_len = config.max_model_len or int(getattr(target.config, "max_position_embeddings", 0) or 32768)
+    engine = Engine(
+        runner, proposer, allocator, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids, max_model_len=max_len
+    )
+    if use_graphs:
+        engine.graphs = RoundGraphs(
+            runner, proposer, block=lookahead, kv_block_size=config.kv_block_size,
+            max_blocks=-(-(max_len + lookahead) // config.kv_block_size),
+            scratch_blocks=list(range(blocks - scratch, blocks)),
+            buckets=tuple(sorted({b for b in DEFAULT_BUCKETS if b < config.max_num_seqs} | {config.max_num_seqs})),
+        )
+    return engine

@@ -1,0 +1,111 @@
+"""Target forwards on the paged KV cache, through the transformers model code itself.
+
+We register our attention as a transformers attention implementation ("dflash_paged"): every
+decoder layer of any HF causal LM then writes its new K/V into our pool and attends over it with
+`kernels.paged_attention`. Sequences are packed into one row (batch dimension 1, per-token
+position ids), so prefill chunks and verify blocks of different lengths run in one forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from kernels import paged_attention
+from services.engine.kv_cache import AttentionBatch, KVPool
+from services.models.target import TargetModel
+
+ATTENTION_NAME = "dflash_paged"
+
+
+def _paged_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    *,
+    paged_batch: AttentionBatch,
+    paged_pool: KVPool,
+    **_: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers calls this with query [1, heads, T, hd], key/value [1, kv_heads, T, hd]."""
+    if softcap:
+        raise ValueError("attention logit softcapping (Gemma-2) is not supported by the paged kernel")
+    layer = module.layer_idx
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    paged_pool.write(layer, paged_batch.slot_mapping, k, v)
+    out = paged_attention(
+        q,
+        paged_pool.k[layer],
+        paged_pool.v[layer],
+        paged_batch.block_tables,
+        paged_batch.seq_lens,
+        paged_batch.query_start,
+        scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
+        causal=True,
+        window=sliding_window,
+        max_query_len=paged_batch.max_query_len,
+    )
+    return out[None], None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    # Visibility comes from the block tables and positions; transformers need not build a mask.
+    return None
+
+
+AttentionInterface.register(ATTENTION_NAME, _paged_attention_forward)
+AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+
+
+class TargetRunner:
+    """Runs a `TargetModel` over packed tokens with its KV in a `KVPool`."""
+
+    def __init__(self, target: TargetModel, pool: KVPool):
+        self.target = target
+        self.pool = pool
+        model = target.model
+        if getattr(target.config, "attn_logit_softcapping", None):
+            raise ValueError(f"{type(model).__name__}: attention logit softcapping is not supported")
+        # The HF model stays usable as it was (plain forwards, training): our attention is switched
+        # on only for the duration of our own forwards.
+        self._configs = {id(c): c for c in (model.config, model.config.get_text_config())}.values()
+
+    @staticmethod
+    def kv_shape(target: TargetModel) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim) of the target's cache."""
+        cfg = target.config
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return target.num_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, logits_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Packed tokens [T] at positions [T] -> (logits [K, V] of rows `logits_rows`, features [T, F*H])."""
+        saved = [c._attn_implementation for c in self._configs]
+        for c in self._configs:
+            c._attn_implementation = ATTENTION_NAME
+        try:
+            logits, features = self.target.forward_with_features(
+                input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=logits_rows,
+                paged_batch=batch,
+                paged_pool=self.pool,
+            )
+        finally:
+            for c, name in zip(self._configs, saved, strict=True):
+                c._attn_implementation = name
+        return logits[0], None if features is None else features[0]

@@ -1,0 +1,80 @@
+"""Engines over tiny random targets, with oracle drafters whose acceptance is chosen by the test."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from services.config import EngineConfig
+from services.engine.draft_runner import DraftRunner
+from services.engine.engine import Engine
+from services.engine.kv_cache import BlockAllocator, KVPool
+from services.engine.target_runner import TargetRunner
+from services.models import DFlashDraftModel, TargetModel
+
+
+def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = None, num_blocks=256, kv_block_size=4,
+                 max_num_seqs=8, max_prefill_tokens=64, eos=(), tokenizer=None, max_model_len=512) -> Engine:
+    """An engine on the CPU in float32; `drafter` builds the real DraftRunner, `proposer` plugs in an oracle."""
+    layer_ids = drafter.config.target_layer_ids if drafter is not None else getattr(proposer, "target_layer_ids", ())
+    target = TargetModel(model, layer_ids)
+    t_layers, t_heads, t_dim = TargetRunner.kv_shape(target)
+    runner = TargetRunner(target, KVPool.allocate(t_layers, num_blocks, kv_block_size, t_heads, t_dim, model.dtype, "cpu"))
+    if drafter is not None:
+        d_layers, d_heads, d_dim = DraftRunner.kv_shape(drafter)
+        pool = KVPool.allocate(d_layers, num_blocks, kv_block_size, d_heads, d_dim, drafter.dtype, "cpu")
+        proposer = DraftRunner(drafter, target, pool)
+    config = EngineConfig(target="tiny", kv_block_size=kv_block_size, num_kv_blocks=num_blocks,
+                          max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens)
+    return Engine(runner, proposer, BlockAllocator(num_blocks, kv_block_size), config, tokenizer=tokenizer,
+                  eos_token_ids=eos, max_model_len=max_model_len)
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Target-only greedy continuation by plain transformers forwards over the whole sequence
+    (no cache, no paging: independent of everything the engine does)."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+class OracleProposer:
+    """Proposes the target's own greedy continuation with an error planted so that exactly
+    `pattern[round]` drafts are accepted (cycling through the pattern), per request."""
+
+    target_layer_ids = (1,)  # the engine captures features for it, as for a real drafter
+
+    def __init__(self, block_size: int, vocab: int, references: dict[str, list[int]], patterns: dict[str, list[int]],
+                 wrong_token: int | None = None):
+        self.block_size = block_size
+        self.vocab = vocab
+        self.references = references  # request id -> prompt + greedy continuation (long enough)
+        self.patterns = patterns
+        self.wrong_token = wrong_token  # what to plant instead of (true + 1) % vocab
+        self.planned: dict[str, list[int]] = defaultdict(list)
+        self.injected_positions: list[int] = []
+        self.fail_on: set[str] = set()
+
+    def inject_context(self, features, positions, slots):
+        assert features.shape[0] == positions.shape[0] == slots.shape[0]
+        self.injected_positions.extend(positions.tolist())
+
+    def propose(self, request_ids, bonus_ids, starts, batch):
+        drafts = torch.zeros(len(request_ids), self.block_size - 1, dtype=torch.long)
+        for i, (rid, s) in enumerate(zip(request_ids, starts.tolist(), strict=True)):
+            if rid in self.fail_on:
+                raise RuntimeError(f"planted drafter failure for {rid}")
+            ref = self.references[rid]
+            assert ref[s] == int(bonus_ids[i]), "the engine's bonus token is not the target's greedy token"
+            true = (ref[s + 1 : s + self.block_size] + [0] * self.block_size)[: self.block_size - 1]
+            pattern = self.patterns[rid]
+            a = pattern[len(self.planned[rid]) % len(pattern)]
+            self.planned[rid].append(a)
+            if a < self.block_size - 1:
+                wrong = self.wrong_token if self.wrong_token is not None else (true[a] + 1) % self.vocab
+                true[a] = wrong if wrong != true[a] else (true[a] + 1) % self.vocab
+            drafts[i] = torch.tensor(true)
+        return drafts

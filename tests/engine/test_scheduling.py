@@ -1,0 +1,133 @@
+"""Continuous batching under pressure: preemption, failures, cancellation, bad input — no block
+ever leaks and every surviving request stays lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.kv_cache import AttentionBatch, BlockAllocator, OutOfKVBlocks
+from services.engine.sampling import SamplingParams
+from services.engine.stopping import FinishReason
+from tests.engine.harness import OracleProposer, build_engine, hf_greedy
+from tests.targets import tiny_target
+
+V, B = 96, 4
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen2", layers=3, vocab=V, seed=9).float()
+
+
+def test_allocator_grow_trim_release():
+    alloc = BlockAllocator(6, 4)
+    table: list[int] = []
+    alloc.grow(table, 9)
+    assert len(table) == 3 and alloc.num_free == 3
+    with pytest.raises(OutOfKVBlocks):
+        alloc.grow(table, 30)
+    assert len(table) == 3  # all or nothing
+    alloc.trim(table, 4)
+    assert len(table) == 1 and alloc.num_free == 5
+    alloc.release(table)
+    assert table == [] and alloc.num_free == 6 and alloc.usage == 0.0
+
+
+def test_attention_batch_slots_follow_the_block_tables():
+    batch = AttentionBatch.build([[5, 2], [7]], starts=[3, 1], query_lens=[4, 2], block_size=4, device="cpu")
+    # seq 0: positions 3,4,5,6 -> block 5 off 3, block 2 off 0..2; seq 1: positions 1,2 -> block 7
+    assert batch.slot_mapping.tolist() == [23, 8, 9, 10, 29, 30]
+    assert batch.seq_lens.tolist() == [7, 3] and batch.query_start.tolist() == [0, 4, 6]
+    assert batch.max_query_len == 4
+
+
+def _oracle(target, prompts, max_tokens, pattern=(B - 1, 1, 0)):
+    refs = {f"q{i}": p + hf_greedy(target, p, max_tokens + B) for i, p in enumerate(prompts)}
+    return refs, OracleProposer(B, V, refs, {k: list(pattern) for k in refs})
+
+
+def test_preemption_under_block_pressure_stays_lossless_and_leaks_nothing(target):
+    prompts = [[(7 * i + j) % 90 for j in range(10 + 3 * i)] for i in range(5)]
+    refs, oracle = _oracle(target, prompts, 40)
+    # 24 blocks of 4 tokens: one sequence fits alone (10+12+40+4 <= 96), five at once do not.
+    engine = build_engine(target, proposer=oracle, num_blocks=24, kv_block_size=4, max_num_seqs=5)
+    for rid, p in zip(refs, prompts, strict=True):
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=40), rid)
+    preempted = 0
+    while engine.has_unfinished():
+        plan_before = len(engine.scheduler.waiting)
+        engine.step()
+        preempted += max(0, len(engine.scheduler.waiting) - plan_before)
+    assert preempted > 0, "the test did not exercise preemption"
+    for rid, p in zip(refs, prompts, strict=True):
+        assert engine.sequences[rid].output_ids == refs[rid][len(p) : len(p) + 40], rid
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_failed_and_cancelled_requests_free_everything_and_others_continue(target):
+    prompts = [[3, 4, 5, 6], [10, 11, 12], [20, 21, 22, 23, 24], [30]]
+    refs, oracle = _oracle(target, prompts, 20)
+    engine = build_engine(target, proposer=oracle)
+    for rid, p in zip(refs, prompts, strict=True):
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=20), rid)
+    engine.step()
+    engine.step()
+    oracle.fail_on = {"q1"}  # the drafter fails for one request's batch
+    outputs = engine.step()
+    failed = [o for o in outputs if o.finish_reason is FinishReason.ERROR]
+    assert failed and all("planted drafter failure" in o.error for o in failed)
+    oracle.fail_on = set()
+    assert engine.cancel("q3") in (True, False)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+    # The whole batch that shared the failing forward fails; a later request is served normally.
+    assert engine.release("q0") is not None
+    engine.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=20), "q0")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.sequences["q0"].output_ids == hf_greedy(target, prompts[0], 20)
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_cancel_while_waiting_and_twice(target):
+    engine = build_engine(target, max_num_seqs=1)
+    a = engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=50))
+    b = engine.add_request([4, 5, 6], SamplingParams(temperature=0.0, max_tokens=50))
+    engine.step()
+    assert engine.cancel(b) and not engine.cancel(b) and not engine.cancel("nope")
+    assert engine.cancel(a)
+    assert not engine.has_unfinished() and engine.allocator.num_free == engine.allocator.num_blocks
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([], SamplingParams(), "prompt is empty"),
+        ([1, 500], SamplingParams(), "outside the vocabulary"),
+        ([1] * 600, SamplingParams(), "takes at most 511"),
+        ([1, 2], SamplingParams(max_tokens=5000), "lower max_tokens or raise num_kv_blocks"),
+        ([1, 2], SamplingParams(temperature=-1.0), "temperature"),
+        ([1, 2], SamplingParams(stop=("x",)), "stop strings need a tokenizer"),
+    ],
+)
+def test_requests_that_can_never_be_served_are_refused(target, prompt, params, message):
+    engine = build_engine(target, num_blocks=64, max_model_len=512)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, params)
+    assert not engine.has_unfinished()
+
+
+def test_request_n_plus_1_after_a_longer_request_starts_clean(target):
+    """llama.cpp #22105: per-request state not reset between requests."""
+    refs, oracle = _oracle(target, [[1, 2, 3] * 10, [9]], 30)
+    engine = build_engine(target, proposer=oracle)
+    engine.add_request([1, 2, 3] * 10, SamplingParams(temperature=0.0, max_tokens=30), "q0")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.sequences["q0"].output_ids == refs["q0"][30:60]
+    engine.add_request([9], SamplingParams(temperature=0.0, max_tokens=30), "q1")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.sequences["q1"].output_ids == refs["q1"][1:31]

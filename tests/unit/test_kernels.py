@@ -1,0 +1,349 @@
+"""Kernels against their plain-torch references, and the references against naive versions.
+
+The Triton kernels run on CUDA when there is a GPU, else under Triton's interpreter on the CPU.
+The interpreter cannot do bfloat16 arithmetic (it computes on the raw bits), so bfloat16 kernels
+are checked on CUDA only. Inputs are random; caches and outputs start as NaN so that an element
+written wrongly, read from outside a sequence or never written shows up.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.kv_injection import inject_context_kv_reference, inject_context_kv_triton
+from kernels.paged_attention import paged_attention, paged_attention_reference, paged_attention_triton
+from services.models.draft import RMSNorm
+from services.models.rope import apply_rotary
+
+attention_module = importlib.import_module("kernels.paged_attention")
+injection_module = importlib.import_module("kernels.kv_injection")
+ON_CUDA = torch.cuda.is_available()
+TRITON_AVAILABLE = attention_module.triton is not None
+# Triton picks its interpreter when `import triton` decorates its own standard library, and by the
+# time this file is collected transformers (torch._dynamo) has imported triton. So on a CPU-only
+# machine the Triton tests run in a child pytest started with TRITON_INTERPRET=1.
+TRITON_RUNS_HERE = TRITON_AVAILABLE and (ON_CUDA or os.environ.get("TRITON_INTERPRET") == "1")
+runs_triton = pytest.mark.skipif(
+    not TRITON_RUNS_HERE,
+    reason="triton is not installed: Triton kernels untested (reference tests still run)" if not TRITON_AVAILABLE
+    else "on CPU these run under the Triton interpreter, in test_interpreted_kernels_in_a_child_pytest",
+)
+requires_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+DEVICE = "cuda" if ON_CUDA else "cpu"
+TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
+# ‖out − ref‖ / ‖ref‖ against a float64 reference.
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert torch.isfinite(out).all(), "non-finite output (unwritten, or read outside a sequence)"
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+# -- paged attention ------------------------------------------------------------------------------
+
+
+def paged_kv(seq_lens, *, num_kv_heads, head_dim, block_size, generator):
+    """float64 caches holding each sequence in shuffled, non-contiguous blocks. Every slot no
+    sequence owns is NaN and block-table padding points at a NaN block, so a read outside a
+    sequence poisons the output."""
+    pages = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(pages) + 2
+    order = torch.randperm(num_blocks, generator=generator)
+    block_tables = torch.full((len(seq_lens), max(pages) + 1), int(order[-1]), dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=torch.float64)
+    v_cache = torch.full(shape, float("nan"), dtype=torch.float64)
+    used = 0
+    for i, (seq_len, num_pages) in enumerate(zip(seq_lens, pages)):
+        blocks = order[used:used + num_pages]
+        used += num_pages
+        block_tables[i, :num_pages] = blocks
+        positions = torch.arange(seq_len)
+        slots = blocks[positions // block_size], positions % block_size
+        k_cache[slots] = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
+        v_cache[slots] = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
+    return k_cache, v_cache, block_tables
+
+
+def attention_case(*, seq_lens, q_lens, num_kv_heads, group, head_dim, block_size, seed=0, strided_q=False):
+    """float64 CPU inputs of one paged_attention call (q in sequence order, last q_len positions)."""
+    generator = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, block_tables = paged_kv(
+        seq_lens, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, generator=generator
+    )
+    num_heads = num_kv_heads * group
+    total_q = sum(q_lens)
+    if strided_q:  # q as a view into a fused qkv projection
+        q = torch.randn(total_q, num_heads + 2 * num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
+        q = q[:, :num_heads]
+    else:
+        q = torch.randn(total_q, num_heads, head_dim, generator=generator, dtype=torch.float64)
+    query_start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return q, k_cache, v_cache, block_tables, seq_lens, query_start
+
+
+def is_visible(query_pos: int, key_pos: int, causal: bool, window: int | None) -> bool:
+    if causal and key_pos > query_pos:
+        return False
+    if window is not None and (query_pos - key_pos >= window or (not causal and key_pos - query_pos >= window)):
+        return False
+    return True
+
+
+def naive_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, *, scale, causal, window):
+    """Dense K/V per sequence gathered token by token, an explicit mask, float64 softmax per head."""
+    q, k_cache, v_cache = q.double().cpu(), k_cache.double().cpu(), v_cache.double().cpu()
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.zeros_like(q)
+    starts = query_start.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        table = block_tables[i].tolist()
+        k = torch.stack([k_cache[table[p // block_size], p % block_size] for p in range(seq_len)])
+        v = torch.stack([v_cache[table[p // block_size], p % block_size] for p in range(seq_len)])
+        q_len = starts[i + 1] - starts[i]
+        for j in range(q_len):
+            query_pos = seq_len - q_len + j
+            mask = torch.tensor([is_visible(query_pos, key_pos, causal, window) for key_pos in range(seq_len)])
+            for head in range(q.shape[1]):
+                scores = (k[:, head // group] @ q[starts[i] + j, head]) * scale
+                probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=0)
+                out[starts[i] + j, head] = probs @ v[:, head // group]
+    return out
+
+
+ATTENTION_CASES = {
+    # target decode: one query per sequence, a 1-token sequence among them
+    "decode-gqa4": dict(seq_lens=[37, 1, 80], q_lens=[1, 1, 1], num_kv_heads=2, group=4, head_dim=32,
+                        block_size=16, causal=True, window=None),
+    # target verify: 16 queries per sequence, mixed with a short chunk and an idle (q_len 0) sequence
+    "verify-gqa4-q0": dict(seq_lens=[50, 16, 100, 23], q_lens=[16, 16, 0, 5], num_kv_heads=2, group=4,
+                           head_dim=64, block_size=8, causal=True, window=None),
+    # target prefill chunks (whole prompt and a later chunk), MHA
+    "prefill-mha": dict(seq_lens=[70, 45], q_lens=[70, 20], num_kv_heads=3, group=1, head_dim=16,
+                        block_size=16, causal=True, window=None),
+    # drafter block forward: non-causal over context + block
+    "drafter-noncausal": dict(seq_lens=[40, 73, 16], q_lens=[16, 16, 16], num_kv_heads=2, group=4,
+                              head_dim=32, block_size=16, causal=False, window=None),
+    # sliding-window draft layers, window smaller than the block
+    "window7-causal": dict(seq_lens=[40, 90, 16], q_lens=[16, 16, 16], num_kv_heads=1, group=4,
+                           head_dim=32, block_size=8, causal=True, window=7),
+    "window5-noncausal": dict(seq_lens=[60, 30], q_lens=[16, 16], num_kv_heads=2, group=1,
+                              head_dim=16, block_size=16, causal=False, window=5),
+    # a window larger than any context equals no window
+    "window-beyond-context": dict(seq_lens=[40, 33], q_lens=[0, 33], num_kv_heads=2, group=4, head_dim=16,
+                                  block_size=8, causal=False, window=500),
+    # head_dim that is not a power of two, q a strided view, sequences longer than a key tile
+    "head-dim-24-strided-q": dict(seq_lens=[130, 9], q_lens=[16, 9], num_kv_heads=2, group=2, head_dim=24,
+                                  block_size=16, causal=True, window=100, strided_q=True),
+}
+
+
+def split_case(name):
+    config = dict(ATTENTION_CASES[name])
+    causal, window = config.pop("causal"), config.pop("window")
+    inputs = attention_case(**config)
+    return inputs, dict(scale=1.5 / math.sqrt(config["head_dim"]), causal=causal, window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ATTENTION_CASES)
+def test_attention_reference_matches_naive(name, dtype):
+    (q, k_cache, v_cache, *rest), options = split_case(name)
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    out = paged_attention_reference(q, k_cache, v_cache, *rest, **options)
+    assert out.dtype == dtype
+    assert relative_error(out, naive_paged_attention(q, k_cache, v_cache, *rest, **options)) < TOLERANCE[dtype]
+
+
+def test_attention_reference_window_beyond_context_is_full_attention():
+    (q, *rest), options = split_case("window-beyond-context")
+    windowed = paged_attention_reference(q, *rest, **options)
+    assert torch.equal(windowed, paged_attention_reference(q, *rest, **{**options, "window": None}))
+
+
+# Every dtype with the default kv split (1 at these sizes), and a forced split of 3 (each split's
+# partial softmax merged by the second kernel) in float32, where the merge is checked tightest.
+SPLIT_CASES = [(dtype, None) for dtype in TRITON_DTYPES] + [(torch.float32, 3)]
+if ON_CUDA:
+    SPLIT_CASES.append((torch.bfloat16, 3))
+
+
+@runs_triton
+@pytest.mark.parametrize("dtype, num_kv_splits", SPLIT_CASES, ids=lambda x: str(x).removeprefix("torch."))
+@pytest.mark.parametrize("name", ATTENTION_CASES)
+def test_attention_triton_matches_reference(name, dtype, num_kv_splits):
+    inputs, options = split_case(name)
+    reference = paged_attention_reference(*inputs, **options)  # float64
+    q, k_cache, v_cache, *rest = (t.to(DEVICE) for t in inputs)
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    max_query_len = int((rest[2][1:] - rest[2][:-1]).max())
+    result = paged_attention_triton(q, k_cache, v_cache, *rest, **options, max_query_len=max_query_len, out=out,
+                                    num_kv_splits=num_kv_splits)
+    assert result is out
+    assert relative_error(out, reference) < TOLERANCE[dtype]
+
+
+@runs_triton
+def test_attention_triton_without_max_query_len():
+    inputs, options = split_case("verify-gqa4-q0")
+    q, k_cache, v_cache, *rest = (t.to(DEVICE).float() if t.is_floating_point() else t.to(DEVICE) for t in inputs)
+    out = paged_attention_triton(q, k_cache, v_cache, *rest, **options)
+    assert relative_error(out, paged_attention_reference(*inputs, **options)) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.gpu
+@runs_triton
+@requires_cuda
+def test_attention_triton_verify_shapes_on_cuda():
+    """Target verify as served: 32 q / 8 kv heads, head_dim 128, bf16, long contexts, the default
+    (SM-count based) kv split."""
+    inputs = attention_case(seq_lens=[3000, 517, 1200, 64], q_lens=[16, 16, 16, 16], num_kv_heads=8, group=4,
+                            head_dim=128, block_size=16)
+    options = dict(scale=128**-0.5, causal=True, window=None)
+    q, k_cache, v_cache, *rest = (t.to(DEVICE) for t in inputs)
+    out = paged_attention(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), *rest, **options, max_query_len=16)
+    assert relative_error(out, paged_attention_reference(*inputs, **options)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@runs_triton
+@requires_cuda
+def test_attention_replays_in_a_cuda_graph():
+    """With max_query_len given the call is capturable; replays follow new seq_lens in place."""
+    inputs = attention_case(seq_lens=[700, 130], q_lens=[16, 16], num_kv_heads=2, group=4, head_dim=128,
+                            block_size=16)
+    options = dict(scale=128**-0.5, causal=False, window=None)
+    q, k_cache, v_cache, block_tables, seq_lens, query_start = (t.to(DEVICE) for t in inputs)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(*args, **options, max_query_len=16, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(*args, **options, max_query_len=16, out=out)
+    for shorter in (0, 5, 40):
+        seq_lens.copy_(inputs[4] - shorter)
+        out.fill_(float("nan"))
+        graph.replay()
+        expected = paged_attention_reference(*inputs[:4], inputs[4] - shorter, inputs[5], **options)
+        assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
+
+
+# -- context KV injection -------------------------------------------------------------------------
+
+
+def injection_case(*, num_rows, num_layers, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """Inputs of one inject_context_kv call and NaN caches with room for twice the rows."""
+    generator = torch.Generator().manual_seed(seed)
+    kv = torch.randn(num_rows, num_layers, 2, num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
+    k_norm_weight = 1 + 0.5 * torch.randn(num_layers, head_dim, generator=generator, dtype=torch.float64)
+    positions = torch.randint(0, 4096, (num_rows, 1), generator=generator)
+    angles = positions * torch.rand(head_dim // 2, generator=generator, dtype=torch.float64)
+    angles = torch.cat([angles, angles], dim=-1)
+    num_blocks = math.ceil(2 * num_rows / block_size)
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=generator)[:num_rows]
+    cache_shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.full(cache_shape, float("nan"), dtype=dtype) for _ in range(2)]
+    return (kv.to(dtype), k_norm_weight.to(dtype), angles.cos(), angles.sin(), slot_mapping, *caches)
+
+
+def written_rows(cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """cache [L, blocks, block_size, ...] -> the rows of slot_mapping, [T, L, ...]."""
+    block_size = cache.shape[2]
+    return cache[:, slot_mapping // block_size, slot_mapping % block_size].transpose(0, 1)
+
+
+def untouched_are_nan(cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    untouched = torch.ones(cache.shape[1] * cache.shape[2], dtype=torch.bool, device=cache.device)
+    untouched[slot_mapping] = False
+    return bool(cache.flatten(1, 2)[:, untouched].isnan().all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_injection_reference_is_the_models_k_norm_and_rope_bit_for_bit(dtype):
+    kv, k_norm_weight, cos, sin, slot_mapping, k_cache, v_cache = injection_case(
+        num_rows=11, num_layers=3, num_kv_heads=2, head_dim=16, block_size=8, dtype=dtype
+    )
+    eps = 1e-6
+    inject_context_kv_reference(kv, k_norm_weight, cos, sin, slot_mapping, k_cache, v_cache, eps=eps)
+    for layer in range(kv.shape[1]):
+        k_norm = RMSNorm(kv.shape[-1], eps).to(dtype)
+        with torch.no_grad():
+            k_norm.weight.copy_(k_norm_weight[layer])
+            keys = k_norm(kv[:, layer, 0].transpose(0, 1)[None])  # [1, heads, T, hd], as the model holds them
+        expected = apply_rotary(keys, cos.to(dtype)[None], sin.to(dtype)[None])[0].transpose(0, 1)
+        assert torch.equal(written_rows(k_cache, slot_mapping)[:, layer], expected)
+    assert torch.equal(written_rows(v_cache, slot_mapping), kv[:, :, 1])
+    assert untouched_are_nan(k_cache, slot_mapping) and untouched_are_nan(v_cache, slot_mapping)
+
+
+@runs_triton
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize(
+    "num_rows, num_layers, num_kv_heads, head_dim, block_size",
+    [(9, 3, 2, 32, 16), (20, 2, 3, 24, 8), (1, 5, 8, 128, 16)],
+)
+def test_injection_triton_matches_reference(dtype, num_rows, num_layers, num_kv_heads, head_dim, block_size):
+    inputs = injection_case(num_rows=num_rows, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                            head_dim=head_dim, block_size=block_size, dtype=dtype)
+    kv, k_norm_weight, cos, sin, slot_mapping, k_cache, v_cache = (t.to(DEVICE) for t in inputs)
+    inject_context_kv_triton(kv, k_norm_weight, cos, sin, slot_mapping, k_cache, v_cache, eps=1e-6)
+    ref_k_cache, ref_v_cache = inputs[5].clone(), inputs[6].clone()
+    inject_context_kv_reference(*inputs[:5], ref_k_cache, ref_v_cache, eps=1e-6)
+    slot_mapping = slot_mapping.cpu()
+    # The kernel rounds at the reference's steps; only its float32 mean/rsqrt differ in the last bits.
+    assert relative_error(written_rows(k_cache.cpu(), slot_mapping), written_rows(ref_k_cache, slot_mapping)) < {
+        torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 4e-3}[dtype]
+    assert torch.equal(written_rows(v_cache.cpu(), slot_mapping), kv[:, :, 1].cpu())
+    assert untouched_are_nan(k_cache, slot_mapping.to(DEVICE)) and untouched_are_nan(v_cache, slot_mapping.to(DEVICE))
+
+
+# -- dispatch -------------------------------------------------------------------------------------
+
+
+def test_dispatch_picks_the_kernel_on_cuda_or_the_interpreter_else_the_reference(monkeypatch):
+    calls = []
+    for module, name in [(attention_module, "paged_attention"), (injection_module, "inject_context_kv")]:
+        monkeypatch.setattr(module, f"{name}_triton", lambda *args, **kwargs: calls.append("triton"))
+        monkeypatch.setattr(module, f"{name}_reference", lambda *args, **kwargs: calls.append("reference"))
+    x = torch.randn(2, 2, 16)
+
+    def call_both(tensor):
+        attention_module.paged_attention(tensor, None, None, None, None, None, scale=1.0, causal=True)
+        injection_module.inject_context_kv(tensor, None, None, None, None, None, None, eps=1e-6)
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    call_both(x)
+    assert calls == ["reference"] * 2
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    call_both(x)
+    call_both(x.double())  # float64 (the test oracle dtype) always runs the reference
+    expected = "triton" if TRITON_AVAILABLE else "reference"
+    assert calls == ["reference"] * 2 + [expected] * 2 + ["reference"] * 2
+    if ON_CUDA:
+        call_both(x.cuda())
+        assert calls[-2:] == [expected] * 2
+
+
+@pytest.mark.skipif(ON_CUDA or TRITON_RUNS_HERE or not TRITON_AVAILABLE,
+                    reason="the Triton tests run in this process (CUDA or TRITON_INTERPRET=1), or triton is absent")
+def test_interpreted_kernels_in_a_child_pytest():
+    repo = Path(__file__).resolve().parents[2]
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton"],
+        cwd=repo, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600,
+    )
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
