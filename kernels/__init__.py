@@ -4,6 +4,7 @@
   sliding window, GQA) — target prefill/verify/decode and the drafter's block forward.
 - `inject_context_kv`: the drafter's fused k_norm + RoPE + paged cache write of context K/V for all
   draft layers in one launch.
+- `rms_norm`: Qwen3/Llama RMSNorm in one launch instead of seven.
 
 The Triton kernels run when the tensors are on CUDA (or under TRITON_INTERPRET=1); otherwise, or
 without triton installed, the references run. Nothing here imports `services`.
@@ -11,6 +12,7 @@ without triton installed, the references run. Nothing here imports `services`.
 
 from kernels.kv_injection import inject_context_kv, inject_context_kv_reference, inject_context_kv_triton
 from kernels.paged_attention import paged_attention, paged_attention_reference, paged_attention_triton
+from kernels.rms_norm import rms_norm, rms_norm_reference, rms_norm_triton
 
 __all__ = [
     "inject_context_kv",
@@ -19,4 +21,7 @@ __all__ = [
     "paged_attention",
     "paged_attention_reference",
     "paged_attention_triton",
+    "rms_norm",
+    "rms_norm_reference",
+    "rms_norm_triton",
 ]

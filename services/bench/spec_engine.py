@@ -86,6 +86,20 @@ def time_replay(fn, repeats: int = 20) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def kernel_census(fn) -> dict:
+    """Kernels launched by one call of `fn` (a graph replay) and their summed GPU time: when the sum
+    is well under the wall time, launch gaps between many tiny kernels are what is left."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    return {"kernels": len(kernels), "kernel_ms": sum(e.device_time for e in kernels) / 1e3}
+
+
 def run_case(engine, batch: int, prompt_len: int, max_tokens: int) -> dict:
     g = torch.Generator().manual_seed(batch)
     vocab = engine.vocab_size - 1000
@@ -149,8 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                             max_prefill_tokens=8192)
         ar = assemble_engine(base, TargetModel(hf), None)
         ar_fwd = time_replay(lambda: ar.graphs.verify(ar.graphs.bucket_for(batch)))
+        census = kernel_census(lambda: ar.graphs.verify(ar.graphs.bucket_for(batch)))
+        run_case(ar, batch, args.prompt_len, 8)  # warm-up: first-use compilations and allocations
         row = {"mode": "AR", "batch": batch, "tau": 1.0, "synthetic": False, "verify_fwd_ms": ar_fwd,
-               **run_case(ar, batch, args.prompt_len, args.max_tokens)}
+               "fwd_census": census, **run_case(ar, batch, args.prompt_len, args.max_tokens)}
         results["rows"].append(row)
         print(json.dumps(row), flush=True)
         del ar
@@ -161,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         bucket = spec.graphs.bucket_for(batch)
         verify_ms = time_replay(lambda: spec.graphs.verify(bucket))
         draft_ms = time_replay(lambda: spec.graphs.draft(bucket))
+        spec.synthetic_tau = taus[0]
+        run_case(spec, batch, args.prompt_len, 40)  # warm-up
         for tau in taus:
             spec.synthetic_tau = tau
             row = {"mode": "DFlash", "batch": batch, "synthetic": True, "target_tau": tau, "verify_fwd_ms": verify_ms,
@@ -174,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
 
     print(markdown_table(results))
+    for r in results["rows"]:
+        if r["mode"] == "AR":
+            c = r["fwd_census"]
+            print(f"AR batch {r['batch']}: one forward = {c['kernels']} kernels, {c['kernel_ms']:.2f} ms of kernel time "
+                  f"in {r['verify_fwd_ms']:.2f} ms; floor {floor_ms:.2f} ms -> {100 * floor_ms / r['step_ms']:.0f}% of "
+                  "the floor per decode step")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import rms_norm
 from services.models.draft_config import DFlashDraftConfig
 from services.models.rope import RotaryEmbedding, apply_rotary
 
@@ -35,10 +36,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.promote_types(dtype, torch.float32))
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class DraftAttentionContext(Protocol):

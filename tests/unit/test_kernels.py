@@ -347,3 +347,38 @@ def test_interpreted_kernels_in_a_child_pytest():
         cwd=repo, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600,
     )
     assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+
+
+# -- RMSNorm --------------------------------------------------------------------------------------
+
+
+def test_rms_norm_reference_is_transformers_qwen3_rmsnorm():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from kernels.rms_norm import rms_norm_reference
+
+    norm = Qwen3RMSNorm(64, eps=1e-6)
+    torch.nn.init.normal_(norm.weight)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 5, 64, dtype=dtype)
+        n = norm.to(dtype)
+        assert torch.equal(rms_norm_reference(x, n.weight, 1e-6), n(x))
+
+
+@runs_triton
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("shape", [(7, 64), (2, 3, 4, 128), (1, 576), (5, 100)])
+def test_rms_norm_triton_matches_reference(dtype, shape):
+    from kernels.rms_norm import rms_norm_reference, rms_norm_triton
+
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+    w = (1 + 0.3 * torch.randn(shape[-1], generator=g)).to(dtype).to(DEVICE)
+    ref = rms_norm_reference(x.double(), w.double(), 1e-6)
+    out = rms_norm_triton(x, w, 1e-6)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+    # A strided input (per-head view of a projection, as q_norm/k_norm see it).
+    wide = torch.randn(4, 2 * shape[-1], generator=g).to(dtype).to(DEVICE)
+    view = wide[:, : shape[-1]]
+    assert relative_error(rms_norm_triton(view, w, 1e-6), rms_norm_reference(view.double(), w.double(), 1e-6)) < TOLERANCE[dtype]
