@@ -18,6 +18,8 @@ import os
 
 import torch
 
+from kernels import flash_backend
+
 try:
     import triton
     import triton.language as tl
@@ -38,6 +40,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, *,
     out: optional buffer shaped and typed like q to write into (a CUDA graph's static output).
     Rows of q past query_start[-1] (padding) get unspecified values.
     """
+    if flash_backend.can_serve(q, k_cache, seq_lens, max_query_len):
+        result = flash_backend.flash_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
+                                                     causal=causal, window=window, max_query_len=max_query_len)
+        return result if out is None else out.copy_(result)
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start)
     kwargs = dict(scale=scale, causal=causal, window=window, max_query_len=max_query_len, out=out)
     if _runs_triton(q):

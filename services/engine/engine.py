@@ -129,6 +129,19 @@ class Engine:
         self._finish(seq, FinishReason.CANCELLED)
         return True
 
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use (both pools share the block tables)."""
+        return self.allocator.usage
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

@@ -54,12 +54,15 @@ def test_preemption_under_block_pressure_stays_lossless_and_leaks_nothing(target
     engine = build_engine(target, proposer=oracle, num_blocks=24, kv_block_size=4, max_num_seqs=5)
     for rid, p in zip(refs, prompts, strict=True):
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=40), rid)
-    preempted = 0
+    preempted, peak_usage = 0, 0.0
     while engine.has_unfinished():
         plan_before = len(engine.scheduler.waiting)
         engine.step()
         preempted += max(0, len(engine.scheduler.waiting) - plan_before)
+        peak_usage = max(peak_usage, engine.kv_usage)
+        assert engine.num_running <= 5 and engine.num_running + engine.num_waiting <= 5
     assert preempted > 0, "the test did not exercise preemption"
+    assert 0.5 < peak_usage <= 1.0 and engine.kv_usage == 0.0
     for rid, p in zip(refs, prompts, strict=True):
         assert engine.sequences[rid].output_ids == refs[rid][len(p) : len(p) + 40], rid
     assert engine.allocator.num_free == engine.allocator.num_blocks

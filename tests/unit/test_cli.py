@@ -32,3 +32,31 @@ def test_inspect_reports_an_incompatible_target(tmp_path, capsys):
 def test_inspect_reports_a_missing_checkpoint(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "absent")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_generate_prints_text_tau_and_acceptance_and_matches_target_only(tmp_path, capsys):
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.tokenizer import train_tiny_tokenizer
+
+    vocab = 600
+    target_dir = tmp_path / "target"
+    tiny_target("llama", layers=4, vocab=vocab, seed=3).save_pretrained(target_dir)
+    PreTrainedTokenizerFast(tokenizer_object=train_tiny_tokenizer(vocab), eos_token="<eos>").save_pretrained(target_dir)
+    cfg = drafter_config(vocab_size=vocab, num_target_layers=4, block_size=8,
+                         dflash_config={"mask_token_id": vocab - 1, "target_layer_ids": [0, 1, 2, 3, 3]})
+    drafter_dir = save_drafter(random_drafter(cfg, dtype=torch.float32), tmp_path / "drafter")
+    common = ["--target", str(target_dir), "--prompt", "def main():", "--max-tokens", "24", "--device", "cpu", "--raw"]
+
+    assert main(["generate", *common, "--drafter", str(drafter_dir)]) == 0
+    spec = capsys.readouterr()
+    assert "-- tau (mean accepted length incl. bonus)" in spec.err
+    assert "-- acceptance per draft position:" in spec.err
+    assert main(["generate", *common]) == 0
+    plain = capsys.readouterr()
+    assert spec.out == plain.out and spec.out.strip()  # lossless: the same text as target-only decoding
+
+
+def test_generate_refuses_bad_sampling_parameters(tmp_path, capsys):
+    assert main(["generate", "--target", str(tmp_path), "--prompt", "x", "--top-p", "1.5"]) == 2
+    assert "top_p" in capsys.readouterr().err

@@ -382,3 +382,78 @@ def test_rms_norm_triton_matches_reference(dtype, shape):
     wide = torch.randn(4, 2 * shape[-1], generator=g).to(dtype).to(DEVICE)
     view = wide[:, : shape[-1]]
     assert relative_error(rms_norm_triton(view, w, 1e-6), rms_norm_reference(view.double(), w.double(), 1e-6)) < TOLERANCE[dtype]
+
+
+# -- optional flash-attn backend ------------------------------------------------------------------
+
+
+def _flash_attn_stand_in(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_size):
+    """flash_attn_with_kvcache as its documentation defines it, written independently of our
+    reference: queries aligned to the end of the keys; key k visible to query position p when
+    k < seqlen, k <= p if causal, and p - left <= k <= p + right for a window (-1 = unbounded)."""
+    batch, q_len, heads, dim = q.shape
+    page = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for b in range(batch):
+        n = int(cache_seqlens[b])
+        idx = torch.arange(n)
+        blocks = block_table[b, idx // page].long()
+        k = k_cache[blocks, idx % page].double()  # [n, kv_heads, dim]
+        v = v_cache[blocks, idx % page].double()
+        rep = heads // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        p = (n - q_len + torch.arange(q_len))[:, None]
+        visible = torch.ones(q_len, n, dtype=torch.bool)
+        if causal:
+            visible &= idx[None] <= p
+        left, right = window_size
+        if left >= 0:
+            visible &= idx[None] >= p - left
+        if right >= 0 and not causal:
+            visible &= idx[None] <= p + right
+        scores = torch.einsum("qhd,khd->hqk", q[b].double(), k) * softmax_scale
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        out[b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, 5), (False, 5)])
+def test_flash_backend_maps_our_semantics_onto_flash_attn(monkeypatch, causal, window):
+    from kernels import flash_backend
+
+    monkeypatch.setattr(flash_backend, "flash_attn_with_kvcache", _flash_attn_stand_in)
+    g = torch.Generator().manual_seed(3)
+    page, q_len, seq_lens = 256, 4, [300, 9, 700]
+    num_blocks = sum(math.ceil(n / page) for n in seq_lens) + 1
+    k_cache = torch.randn(num_blocks, page, 2, 16, generator=g)
+    v_cache = torch.randn(num_blocks, page, 2, 16, generator=g)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.zeros(3, 3, dtype=torch.int32)
+    for i, n in enumerate(seq_lens):
+        for j in range(math.ceil(n / page)):
+            tables[i, j] = order.pop()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    query_start = torch.arange(0, 4 * q_len, q_len, dtype=torch.int32)
+    q = torch.randn(3 * q_len, 8, 16, generator=g)
+    ours = flash_backend.flash_paged_attention(q, k_cache, v_cache, tables, lens, scale=0.25, causal=causal,
+                                               window=window, max_query_len=q_len)
+    ref = paged_attention_reference(q, k_cache, v_cache, tables, lens, query_start, scale=0.25, causal=causal,
+                                    window=window)
+    assert relative_error(ours, ref) < 1e-5
+
+
+def test_flash_backend_is_only_used_when_it_can_serve_the_call(monkeypatch):
+    from kernels import flash_backend
+
+    q = torch.randn(8, 4, 16)
+    lens = torch.tensor([20, 30], dtype=torch.int32)
+    monkeypatch.setattr(flash_backend, "flash_attn_with_kvcache", None)
+    assert not flash_backend.can_serve(q, torch.zeros(2, 256, 2, 16), lens, 4)  # not installed
+    monkeypatch.setattr(flash_backend, "flash_attn_with_kvcache", _flash_attn_stand_in)
+    assert not flash_backend.can_serve(q, torch.zeros(2, 256, 2, 16), lens, 4)  # CPU tensors
+    if ON_CUDA:
+        qc = q.cuda().half()
+        assert flash_backend.can_serve(qc, torch.zeros(2, 256, 2, 16), lens, 4)
+        assert not flash_backend.can_serve(qc, torch.zeros(2, 16, 2, 16), lens, 4)  # page size 16
+        assert not flash_backend.can_serve(qc, torch.zeros(2, 256, 2, 16), lens, 5)  # lengths differ
+        assert not flash_backend.can_serve(qc, torch.zeros(2, 256, 2, 16), lens, None)

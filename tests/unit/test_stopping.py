@@ -3,33 +3,18 @@ strings), held-back text, and multi-byte characters split across byte-level toke
 
 from __future__ import annotations
 
-import os
-import sysconfig
-
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from services.engine.sampling import SamplingParams
 from services.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
+from tests.tokenizer import train_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    """A small byte-level BPE trained offline on a few stdlib files: ASCII merges, and every
-    non-ASCII character split into single-byte tokens."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        special_tokens=["<eos>", "<stop>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    stdlib = sysconfig.get_paths()["stdlib"]
-    tok.train([os.path.join(stdlib, name) for name in ("textwrap.py", "string.py", "this.py")], trainer)
-    return tok
+    return train_tiny_tokenizer()
 
 
 def ids(tokenizer: Tokenizer, text: str) -> list[int]:
