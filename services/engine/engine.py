@@ -162,12 +162,16 @@ class Engine:
         """Run one request to completion, yielding its outputs as they come (other queued requests
         are stepped along with it)."""
         request_id = self.add_request(prompt_ids, params)
-        while True:
-            for out in self.step():
-                if out.request_id == request_id:
-                    yield out
-                    if out.finished:
-                        return
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:  # also when the caller stops iterating early: free its blocks, forget it
+            self.cancel(request_id)
+            self.sequences.pop(request_id, None)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
         """Run a batch of requests to completion; returns their finished sequences in order."""

@@ -134,3 +134,15 @@ def test_request_n_plus_1_after_a_longer_request_starts_clean(target):
     while engine.has_unfinished():
         engine.step()
     assert engine.sequences["q1"].output_ids == refs["q1"][1:31]
+
+
+def test_stream_yields_until_finished_and_an_abandoned_stream_frees_its_blocks(target):
+    engine = build_engine(target)
+    outs = list(engine.stream([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=7)))
+    assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 7
+    assert [t for o in outs for t in o.new_token_ids] == hf_greedy(target, [1, 2, 3], 7)
+    stream = engine.stream([4, 5, 6], SamplingParams(temperature=0.0, max_tokens=50))
+    next(stream)
+    stream.close()  # the client went away
+    assert not engine.has_unfinished() and not engine.sequences
+    assert engine.allocator.num_free == engine.allocator.num_blocks
