@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC stubs of protos/dflash/v1 (see codegen.py)."""

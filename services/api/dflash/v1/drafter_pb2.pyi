@@ -1,0 +1,137 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_1: _ClassVar[ProtocolVersion]
+PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
+PROTOCOL_VERSION_1: ProtocolVersion
+
+class SharedBuffer(_message.Message):
+    __slots__ = ("buffer_id", "shm_name", "cuda_ipc_handle", "storage_offset", "shape", "dtype", "device")
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    buffer_id: str
+    shm_name: str
+    cuda_ipc_handle: bytes
+    storage_offset: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    device: int
+    def __init__(self, buffer_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., storage_offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[int] = ...) -> None: ...
+
+class KVBlockHandle(_message.Message):
+    __slots__ = ("buffer_id", "row_offset", "rows")
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROW_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    buffer_id: str
+    row_offset: int
+    rows: int
+    def __init__(self, buffer_id: _Optional[str] = ..., row_offset: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("protocol_version", "buffers", "kv_block_size", "num_kv_blocks", "block_size")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: ProtocolVersion
+    buffers: _containers.RepeatedCompositeFieldContainer[SharedBuffer]
+    kv_block_size: int
+    num_kv_blocks: int
+    block_size: int
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., buffers: _Optional[_Iterable[_Union[SharedBuffer, _Mapping]]] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class HelloReply(_message.Message):
+    __slots__ = ("protocol_version", "error", "drafter", "block_size")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: ProtocolVersion
+    error: str
+    drafter: str
+    block_size: int
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., error: _Optional[str] = ..., drafter: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class BlockTable(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("protocol_version", "step", "features", "positions", "slots", "request_ids", "bonus_tokens", "starts", "block_tables")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    BONUS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: ProtocolVersion
+    step: int
+    features: KVBlockHandle
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    bonus_tokens: _containers.RepeatedScalarFieldContainer[int]
+    starts: _containers.RepeatedScalarFieldContainer[int]
+    block_tables: _containers.RepeatedCompositeFieldContainer[BlockTable]
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., step: _Optional[int] = ..., features: _Optional[_Union[KVBlockHandle, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("protocol_version", "step", "draft_tokens", "num_sequences", "error", "draft_seconds")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: ProtocolVersion
+    step: int
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_sequences: int
+    error: str
+    draft_seconds: float
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., step: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., num_sequences: _Optional[int] = ..., error: _Optional[str] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+
+class ReleaseSequences(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DrafterRequest(_message.Message):
+    __slots__ = ("hello", "step", "release")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    step: StepRequest
+    release: ReleaseSequences
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[StepRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseSequences, _Mapping]] = ...) -> None: ...
+
+class DrafterReply(_message.Message):
+    __slots__ = ("hello", "step")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    hello: HelloReply
+    step: StepResult
+    def __init__(self, hello: _Optional[_Union[HelloReply, _Mapping]] = ..., step: _Optional[_Union[StepResult, _Mapping]] = ...) -> None: ...
