@@ -1,0 +1,33 @@
+"""The verifier <-> drafter data plane on one node (protos/dflash/v1/drafter.proto).
+
+Per step, one frame pair travels over a direct socket channel (`channel`); bulky tensors (feature
+rows, the target's embedding and LM head) stay in buffers opened once and are only named in the
+frames (`shared_buffer`: POSIX shared memory on CPU, CUDA IPC on GPU). Ray places the processes
+but carries none of this.
+"""
+
+from services.transport.channel import (
+    DEFAULT_MAX_FRAME_BYTES,
+    ChannelClosed,
+    FrameChannel,
+    FrameError,
+    FrameListener,
+    FrameTooLarge,
+    connect,
+)
+from services.transport.shared_buffer import FeatureRing, OpenedTensor, SharedTensor, open_shared, read_rows
+
+__all__ = [
+    "DEFAULT_MAX_FRAME_BYTES",
+    "ChannelClosed",
+    "FeatureRing",
+    "FrameChannel",
+    "FrameError",
+    "FrameListener",
+    "FrameTooLarge",
+    "OpenedTensor",
+    "SharedTensor",
+    "connect",
+    "open_shared",
+    "read_rows",
+]
