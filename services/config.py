@@ -6,6 +6,7 @@ a YAML file and the Helm chart render the same fields).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -42,3 +43,76 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_prefill_tokens must be positive")
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]")
+
+
+TOPOLOGIES = ("split", "colocated")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The served application: the engine plus deployment shape. `dflash serve --config FILE`
+    reads it from YAML, and the Helm chart renders the same YAML into serveConfigV2."""
+
+    engine: EngineConfig
+    # split: verifier and drafter are separate actors (the product's shape); colocated: one process.
+    topology: str = "split"
+    num_replicas: int = 1
+    grpc_port: int = 9000
+    metrics_port: int = 8080
+    # Requests in flight per router replica before RESOURCE_EXHAUSTED.
+    max_pending: int = 256
+    default_max_tokens: int = 256
+    # GPUs per verifier replica when engine.device is cuda (none on CPU). Its drafter runs on the
+    # same GPU: features reach it by CUDA IPC, which needs one device seen by both processes.
+    verifier_num_gpus: float = 1.0
+
+    @property
+    def gpus_per_verifier(self) -> float:
+        return self.verifier_num_gpus if self.engine.device.startswith("cuda") else 0.0
+
+    def validate(self) -> None:
+        self.engine.validate()
+        if self.engine.device.startswith("cuda") and self.verifier_num_gpus <= 0:
+            raise ValueError(f"engine.device={self.engine.device} needs verifier_num_gpus > 0")
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"topology={self.topology!r}: choose one of {', '.join(TOPOLOGIES)}")
+        if self.topology == "split" and not self.engine.drafter:
+            raise ValueError("topology=split needs engine.drafter (or use topology=colocated for target-only)")
+        if self.num_replicas < 1 or self.max_pending < 1 or self.default_max_tokens < 1:
+            raise ValueError("num_replicas, max_pending and default_max_tokens must be positive")
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ServeConfig:
+        """Strict: an unknown key is an error naming it and the known ones (a typo must not be
+        silently ignored, as Ray's own schema does)."""
+        raw = dict(raw or {})
+        engine_raw = raw.pop("engine", None) or {}
+        _check_keys(raw, cls, "", skip={"engine"})
+        _check_keys(engine_raw, EngineConfig, "engine.")
+        config = cls(engine=EngineConfig(**engine_raw), **raw)
+        config.validate()
+        return config
+
+    @classmethod
+    def from_yaml(cls, path: str) -> ServeConfig:
+        import yaml
+
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+        if raw is not None and not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level")
+        try:
+            return cls.from_dict(raw or {})
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path}: {err}") from err
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _check_keys(raw: dict, kind: type, prefix: str, skip: set[str] = frozenset()) -> None:
+    known = {f.name for f in dataclasses.fields(kind)} - set(skip)
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
+                         f"known: {', '.join(prefix + k for k in sorted(known))}")

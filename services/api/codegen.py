@@ -5,7 +5,8 @@
 The stubs are committed (the Ray Serve proxy imports them outside any runtime env), and
 tests/unit/test_protos.py fails when they are stale. grpcio-tools is pinned to the grpcio floor
 (pyproject.toml): generated code refuses grpcio runtimes older than the tools that made it.
-protoc writes absolute imports (`from dflash.v1 import ...`); they are rewritten to this package.
+protoc writes absolute imports (`from dflash.v1 import ...`) and module names; both are rewritten
+to this package.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def generate(out_dir: Path) -> list[Path]:
             path.unlink()  # a proto with messages only (drafter.proto): nothing for gRPC
             continue
         text = re.sub(r"^from dflash\.v1 import", f"from {PACKAGE}.dflash.v1 import", path.read_text(), flags=re.M)
+        # The module name protoc records is where pickled messages are looked up (the Ray proxy pickles them).
+        text = text.replace("(DESCRIPTOR, 'dflash.v1.", f"(DESCRIPTOR, '{PACKAGE}.dflash.v1.")
         path.write_text(text)
         written.append(path)
     return written

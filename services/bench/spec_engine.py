@@ -119,7 +119,7 @@ def run_case(engine, batch: int, prompt_len: int, max_tokens: int) -> dict:
         bucket = engine.graphs.load([s.bonus for s in running], [s.num_cached for s in running],
                                     [s.block_table for s in running])
         forwards["verify_fwd_ms"] = time_replay(lambda: engine.graphs.verify(bucket))
-        if engine.proposer is not None:
+        if engine.graphs.proposer is not None:  # captured here (not a drafter in another process)
             forwards["draft_fwd_ms"] = time_replay(lambda: engine.graphs.draft(bucket))
     out0 = sum(len(s.output_ids) for s in engine.scheduler.running)
     steps, t0 = 0, time.perf_counter()

@@ -6,7 +6,7 @@ bucket and replayed: at batch 1 an eager 8B-parameter transformers forward spend
 launching kernels from Python than the GPU spends running them (dflash-spec addendum).
 
 The host fills three static buffers per round — bonus tokens, start positions and block tables —
-and everything else (positions, slots, sequence lengths, block ids) is computed inside the
+(and, for a drafter in another process, a fourth: its drafts) and everything else (positions, slots, sequence lengths, block ids) is computed inside the
 graphs. Batches smaller than their bucket are padded with rows that point at reserved scratch
 blocks, so their writes never touch a real sequence's KV.
 """
@@ -30,7 +30,7 @@ class _Bucket:
     bonus: torch.Tensor  # [n] long
     starts: torch.Tensor  # [n] long
     block_tables: torch.Tensor  # [n, max_blocks] int32
-    drafts: torch.Tensor | None = None  # graph outputs, valid after replay
+    drafts: torch.Tensor | None = None  # the draft graph's output, or the host's (external drafts)
     logits: torch.Tensor | None = None
     features: torch.Tensor | None = None
     slots: torch.Tensor | None = None
@@ -39,14 +39,20 @@ class _Bucket:
 
 
 class RoundGraphs:
-    def __init__(self, runner: TargetRunner, proposer: DraftRunner | None, *, block: int, kv_block_size: int,
-                 max_blocks: int, scratch_blocks: list[int], buckets: tuple[int, ...] = DEFAULT_BUCKETS):
+    def __init__(self, runner: TargetRunner | None, proposer: DraftRunner | None, *, block: int, kv_block_size: int,
+                 max_blocks: int, scratch_blocks: list[int], buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+                 external_drafts: bool = False):
+        """With `proposer` the draft forward is captured too; with `external_drafts` (block > 1, no
+        proposer) the verify reads drafts the host loads (`load_drafts`); else the graphs decode AR.
+        Without `runner` (a drafter serving another process's verifier) only the draft is captured."""
         self.runner = runner
         self.proposer = proposer
+        self.external_drafts = external_drafts
         self.block = block
         self.kv_block_size = kv_block_size
         self.max_blocks = max_blocks
-        self.device = runner.target.device
+        self.device = runner.target.device if runner is not None else proposer.drafter.device
+        self.scratch_blocks = list(scratch_blocks)
         self.scratch_row = torch.tensor((scratch_blocks * max_blocks)[:max_blocks], dtype=torch.int32)
         self.buckets = sorted(buckets)
         self._pool = torch.cuda.graph_pool_handle()
@@ -95,6 +101,7 @@ class RoundGraphs:
             bonus=torch.zeros(size, dtype=torch.long, device=device),
             starts=torch.zeros(size, dtype=torch.long, device=device),
             block_tables=self.scratch_row.to(device).repeat(size, 1),
+            drafts=torch.zeros(size, self.block - 1, dtype=torch.long, device=device) if self.external_drafts else None,
         )
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -102,16 +109,28 @@ class RoundGraphs:
             for _ in range(2):
                 if self.proposer is not None:
                     self._draft(bucket)
-                self._verify(bucket)
+                if self.runner is not None:
+                    self._verify(bucket)
         torch.cuda.current_stream(device).wait_stream(stream)
         if self.proposer is not None:
             bucket.draft_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(bucket.draft_graph, pool=self._pool):
                 self._draft(bucket)
-        bucket.verify_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(bucket.verify_graph, pool=self._pool):
-            self._verify(bucket)
+        if self.runner is not None:
+            bucket.verify_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(bucket.verify_graph, pool=self._pool):
+                self._verify(bucket)
         return bucket
+
+    def fits(self, proposer, block: int) -> bool:
+        """Whether these graphs run a round of `block` tokens with this proposer."""
+        if block != self.block:
+            return False
+        if self.proposer is not None:
+            return proposer is self.proposer
+        if self.external_drafts:
+            return hasattr(proposer, "propose_host")
+        return proposer is None
 
     def bucket_for(self, n: int) -> _Bucket:
         return self._captured[next(b for b in self.buckets if b >= n)]
@@ -128,6 +147,12 @@ class RoundGraphs:
         bucket.starts.copy_(torch.tensor(starts + [0] * pad), non_blocking=True)
         bucket.block_tables.copy_(host_tables, non_blocking=True)
         return bucket
+
+    def load_drafts(self, bucket: _Bucket, drafts: torch.Tensor) -> torch.Tensor:
+        """Copy a round's drafts [n, block-1] (from another process) in; returns the live rows."""
+        n = drafts.shape[0]
+        bucket.drafts[:n].copy_(drafts, non_blocking=True)
+        return bucket.drafts[:n]
 
     def draft(self, bucket: _Bucket) -> None:
         bucket.draft_graph.replay()

@@ -16,7 +16,12 @@ import torch
 from kernels import inject_context_kv, paged_attention
 from services.engine.kv_cache import AttentionBatch, KVPool
 from services.models.draft import DFlashDraftModel
+from services.models.draft_config import DFlashDraftConfig
 from services.models.target import TargetModel
+
+
+class ProposerLost(RuntimeError):
+    """The drafter is gone (a remote drafter died or hung); the engine continues target-only."""
 
 
 class Proposer(Protocol):
@@ -24,6 +29,12 @@ class Proposer(Protocol):
 
     The in-process `DraftRunner` implements it; so do the remote drafter client and the test
     oracles. Context rows are committed target features; they arrive in position order.
+    Raising `ProposerLost` from either method makes the engine drop the proposer and decode
+    target-only (still lossless) until `Engine.attach_proposer` gives it a new one.
+
+    A drafter in another process implements `propose_host` instead of `propose`: it sends host
+    lists anyway, and the engine then needs no per-round GPU metadata for it (the verify can
+    replay a CUDA graph that reads the drafts from a static buffer).
     """
 
     block_size: int
@@ -76,8 +87,7 @@ class DraftRunner:
         self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])
 
     @staticmethod
-    def kv_shape(drafter: DFlashDraftModel) -> tuple[int, int, int]:
-        cfg = drafter.config
+    def kv_shape(cfg: DFlashDraftConfig) -> tuple[int, int, int]:
         return cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
 
     @torch.inference_mode()

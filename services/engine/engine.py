@@ -15,6 +15,7 @@ sequence (spec §3):  draft → verify → accept → commit → trim.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -27,7 +28,7 @@ import torch
 
 from services.config import EngineConfig
 from services.engine.cuda_graphs import RoundGraphs
-from services.engine.draft_runner import Proposer
+from services.engine.draft_runner import Proposer, ProposerLost
 from services.engine.kv_cache import AttentionBatch, BlockAllocator
 from services.engine.request import RequestOutput, Sequence, SequenceStatus
 from services.engine.sampling import SamplingBatch, SamplingParams, accept_drafts, resolve_seed, sample_tokens
@@ -49,6 +50,17 @@ class StepTimings:
     bookkeeping: float = 0.0
     rounds: int = 0
     sequences_per_round: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RoundRecord:
+    """One speculative round, for the server's metrics: draft tokens per sequence (0 when
+    decoding target-only), accepted drafts per sequence, and the draft and verify phase times."""
+
+    drafted: int
+    accepted: list[int]
+    draft_seconds: float
+    verify_seconds: float
 
 
 class Engine:
@@ -80,6 +92,9 @@ class Engine:
         self._seed_rng = random.Random(0)
         self._outputs: list[RequestOutput] = []
         self.graphs: RoundGraphs | None = None  # set by the loader on CUDA
+        self.proposer_losses = 0
+        # The rounds since the owner last drained it. Bounded: the embedded API never drains it.
+        self.round_log: collections.deque[RoundRecord] = collections.deque(maxlen=4096)
         # Benchmarks only: wait for the GPU between phases so the phase timings are device times.
         self.sync_phase_timings = False
         # Benchmark-only: force the mean accepted length τ of every round (labelled wherever used).
@@ -220,7 +235,10 @@ class Engine:
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         logits, features = self.runner.forward(ids_t, pos_t, batch, last_rows)
         if self.proposer is not None:
-            self.proposer.inject_context(features, pos_t, batch.slot_mapping)
+            try:
+                self.proposer.inject_context(features, pos_t, batch.slot_mapping)
+            except ProposerLost as err:
+                self._lose_proposer(err)
         for c in chunks:
             c.seq.num_cached = c.start + c.length
         if sampling:
@@ -241,7 +259,9 @@ class Engine:
         starts = [s.num_cached for s in seqs]
         starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)
         positions = starts_t[:, None] + torch.arange(block, device=self.device)
-        graphs = self.graphs if self.graphs is not None and n <= self.graphs.max_batch else None
+        graphs = self.graphs
+        if graphs is not None and (n > graphs.max_batch or not graphs.fits(self.proposer, block)):
+            graphs = None
         if graphs is not None:
             bucket = graphs.load([s.bonus for s in seqs], starts, [s.block_table for s in seqs])
             slots = None  # computed inside the graphs (bucket.slots after the verify replay)
@@ -252,14 +272,20 @@ class Engine:
             slots = batch.slot_mapping
         t1 = self._phase_mark()
 
-        if graphs is not None:
-            if self.proposer is not None:
-                graphs.draft(bucket)
-            drafts = bucket.drafts[:n] if self.proposer is not None else None
-        elif self.proposer is not None:
-            drafts = self.proposer.propose([s.request_id for s in seqs], bonus, starts_t, batch)
-        else:
+        if self.proposer is None:
             drafts = None
+        elif graphs is not None and graphs.proposer is not None:
+            graphs.draft(bucket)
+            drafts = bucket.drafts[:n]
+        else:
+            try:
+                drafts = self._propose(seqs, starts, starts_t, bonus if graphs is None else None,
+                                       batch if graphs is None else None)
+            except ProposerLost as err:
+                self._lose_proposer(err)
+                return self._spec_round(seqs)  # the same round, target-only
+            if graphs is not None:
+                drafts = graphs.load_drafts(bucket, drafts)
         t2 = self._phase_mark()
 
         if graphs is not None:
@@ -267,7 +293,7 @@ class Engine:
             logits, slots = bucket.logits[: n * block], bucket.slots[: n * block]
             features = None if bucket.features is None else bucket.features[: n * block]
         else:
-            block_ids = bonus[:, None] if drafts is None else torch.cat([bonus[:, None], drafts.to(bonus.dtype)], dim=1)
+            block_ids = bonus[:, None] if drafts is None else torch.cat([bonus[:, None], drafts.to(bonus)], dim=1)
             rows = torch.arange(n * block, device=self.device)
             logits, features = self.runner.forward(block_ids.flatten(), positions.flatten(), batch, rows)
         t3 = self._phase_mark()
@@ -290,12 +316,16 @@ class Engine:
                 keep_rows.extend(range(i * block, i * block + a + 1))
         if self.proposer is not None and keep_rows:
             rows_t = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
-            self.proposer.inject_context(features[rows_t], positions.flatten()[rows_t], slots[rows_t])
+            try:
+                self.proposer.inject_context(features[rows_t], positions.flatten()[rows_t], slots[rows_t])
+            except ProposerLost as err:
+                self._lose_proposer(err)
         for seq in seqs:
             if seq.status is SequenceStatus.RUNNING:
                 self.scheduler.trim(seq)
         t5 = self._phase_mark()
 
+        self.round_log.append(RoundRecord(block - 1 if drafts is not None else 0, accepted_list, t2 - t1, t3 - t2))
         tm = self.timings
         tm.draft += t2 - t1
         tm.verify += t3 - t2
@@ -303,6 +333,27 @@ class Engine:
         tm.bookkeeping += (t1 - t0) + (t5 - t4)
         tm.rounds += 1
         tm.sequences_per_round.append(n)
+
+    def _propose(self, seqs: list[Sequence], starts: list[int], starts_t: torch.Tensor, bonus, batch) -> torch.Tensor:
+        ids = [s.request_id for s in seqs]
+        if hasattr(self.proposer, "propose_host"):  # out of process: host lists travel, not GPU tensors
+            drafts = self.proposer.propose_host(ids, [s.bonus for s in seqs], starts, [s.block_table for s in seqs])
+            return drafts.to(self.device)
+        return self.proposer.propose(ids, bonus, starts_t, batch)
+
+    def _lose_proposer(self, err: Exception) -> None:
+        log.warning("drafter lost (%s): continuing target-only until it is back", err)
+        self.proposer = None  # the graphs no longer fit (RoundGraphs.fits): the fallback runs eagerly
+        self.block_size = self.scheduler.lookahead = 1
+        self.proposer_losses += 1
+
+    def attach_proposer(self, proposer: Proposer) -> None:
+        """Speculate again with a (new) drafter. Its context is empty, so every running sequence
+        is preempted and prefilled again — which rebuilds the drafter's context from the committed
+        tokens alone; their outputs so far are kept and the results stay lossless."""
+        self.scheduler.preempt_all()
+        self.proposer = proposer
+        self.block_size = self.scheduler.lookahead = proposer.block_size
 
     def _synthetic_accept_length(self, block: int) -> int:
         """Accepted drafts for this round so that the running mean of a+1 tracks synthetic_tau."""
@@ -334,6 +385,9 @@ class Engine:
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
         self.scheduler.remove(seq)
+        release = getattr(self.proposer, "release", None)  # a remote drafter forgets the sequence
+        if release is not None:
+            release([seq.request_id])
         self._emit(seq, tokens or [], text)
 
     def _emit(self, seq: Sequence, tokens: list[int], text: str) -> None:

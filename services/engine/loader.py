@@ -13,7 +13,7 @@ from services.engine.draft_runner import DraftRunner
 from services.engine.engine import Engine
 from services.engine.kv_cache import BlockAllocator, KVPool
 from services.engine.target_runner import TargetRunner
-from services.models import DFlashDraftModel, TargetModel, load_drafter
+from services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel, load_drafter
 
 log = logging.getLogger(__name__)
 
@@ -74,18 +74,24 @@ def build_engine(config: EngineConfig) -> Engine:
 
 
 def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDraftModel | None, *, tokenizer=None,
-                    eos_token_ids: set[int] | frozenset[int] = frozenset()) -> Engine:
-    """An engine around models already in memory: KV pools sized to the device, CUDA graphs."""
+                    eos_token_ids: set[int] | frozenset[int] = frozenset(),
+                    remote_drafter: DFlashDraftConfig | None = None) -> Engine:
+    """An engine around models already in memory: KV pools sized to the device, CUDA graphs.
+
+    `remote_drafter`: the config of a drafter that another process on this GPU will serve (it is
+    attached later): its KV pool, the same number of blocks, is counted in the sizing, and the
+    verify graphs take its drafts from the host."""
     device, dtype = target.device, target.dtype
     t_layers, t_heads, t_dim = TargetRunner.kv_shape(target)
     per_block = KVPool.bytes_per_block(t_layers, config.kv_block_size, t_heads, t_dim, dtype)
-    if drafter is not None:
-        d_layers, d_heads, d_dim = DraftRunner.kv_shape(drafter)
+    draft_cfg = drafter.config if drafter is not None else remote_drafter
+    if draft_cfg is not None:
+        d_layers, d_heads, d_dim = DraftRunner.kv_shape(draft_cfg)
         per_block += KVPool.bytes_per_block(d_layers, config.kv_block_size, d_heads, d_dim, dtype)
     blocks = num_kv_blocks(config, device, per_block)
     log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", blocks, config.kv_block_size, blocks * per_block / 2**30)
 
-    lookahead = drafter.config.block_size if drafter is not None else 1
+    lookahead = draft_cfg.block_size if draft_cfg is not None else 1
     use_graphs = config.cuda_graphs and device.type == "cuda"
     # CUDA graphs pad small batches with rows that write into these reserved scratch blocks.
     scratch = -(-lookahead // config.kv_block_size) if use_graphs else 0
@@ -109,5 +115,6 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
             max_blocks=-(-(max_len + lookahead) // config.kv_block_size),
             scratch_blocks=list(range(blocks - scratch, blocks)),
             buckets=tuple(sorted({b for b in DEFAULT_BUCKETS if b < config.max_num_seqs} | {config.max_num_seqs})),
+            external_drafts=remote_drafter is not None,
         )
     return engine

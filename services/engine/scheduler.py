@@ -75,6 +75,12 @@ class Scheduler:
         plan.preempted.append(victim)
         return victim
 
+    def preempt_all(self) -> None:
+        """Send every running sequence back to the queue (newest first, so the order is kept)."""
+        plan = StepPlan()
+        while self.running:
+            self._preempt_last(plan)
+
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         # 1. Rounds for decoding sequences, oldest first; preempt the newest when blocks run out.

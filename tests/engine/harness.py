@@ -22,7 +22,7 @@ def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = Non
     t_layers, t_heads, t_dim = TargetRunner.kv_shape(target)
     runner = TargetRunner(target, KVPool.allocate(t_layers, num_blocks, kv_block_size, t_heads, t_dim, model.dtype, "cpu"))
     if drafter is not None:
-        d_layers, d_heads, d_dim = DraftRunner.kv_shape(drafter)
+        d_layers, d_heads, d_dim = DraftRunner.kv_shape(drafter.config)
         pool = KVPool.allocate(d_layers, num_blocks, kv_block_size, d_heads, d_dim, drafter.dtype, "cpu")
         proposer = DraftRunner(drafter, target, pool)
     config = EngineConfig(target="tiny", kv_block_size=kv_block_size, num_kv_blocks=num_blocks,

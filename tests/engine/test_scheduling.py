@@ -146,3 +146,35 @@ def test_stream_yields_until_finished_and_an_abandoned_stream_frees_its_blocks(t
     stream.close()  # the client went away
     assert not engine.has_unfinished() and not engine.sequences
     assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_a_lost_drafter_falls_back_to_target_only_and_a_new_one_takes_over_losslessly(target):
+    from services.engine.draft_runner import ProposerLost
+
+    prompts = [[2, 3, 4, 5], [7, 8], [11] * 9]
+    refs, oracle = _oracle(target, prompts, 40)
+
+    class Dying(OracleProposer):
+        def propose(self, request_ids, bonus_ids, starts, batch):
+            if self.dead:
+                raise ProposerLost("drafter actor died")
+            return super().propose(request_ids, bonus_ids, starts, batch)
+
+    dying = Dying(B, V, refs, {k: [B - 1, 2] for k in refs})
+    dying.dead = False
+    engine = build_engine(target, proposer=dying)
+    for rid, p in zip(refs, prompts, strict=True):
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=40), rid)
+    for _ in range(3):
+        engine.step()
+    dying.dead = True
+    for _ in range(4):
+        engine.step()
+    assert engine.proposer is None and engine.proposer_losses == 1
+    engine.attach_proposer(OracleProposer(B, V, refs, {k: [1] for k in refs}))
+    while engine.has_unfinished():
+        engine.step()
+    for rid, p in zip(refs, prompts, strict=True):
+        seq = engine.sequences[rid]
+        assert seq.finish_reason is FinishReason.LENGTH and seq.output_ids == refs[rid][len(p) : len(p) + 40]
+    assert engine.allocator.num_free == engine.allocator.num_blocks

@@ -72,3 +72,42 @@ def test_bf16_gemma_style_drafter_runs_and_stays_lossless_in_float32_target():
     with torch.no_grad():
         for prompt, seq in zip(prompts, done, strict=True):
             assert seq.output_ids == hf_greedy(model, prompt, 50)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_split_drafter_over_cuda_ipc_matches_the_colocated_engine(graphs, tmp_path):
+    """The drafter in a process of its own maps the verifier's feature ring, embedding and LM head
+    by CUDA IPC; with graphs the verify replays a graph fed with the host's drafts."""
+    from services.drafter.server import spawn_drafter_process
+    from services.models import save_drafter
+    from services.verifier.remote_drafter import RemoteProposer
+
+    model = tiny_target("qwen3", layers=4, vocab=V, seed=7).float().cuda()
+    cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
+                         layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
+    drafter = random_drafter(cfg, seed=3, dtype=torch.float32).cuda()
+    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 9]
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    colocated = _engine(model, drafter, graphs=graphs).generate(prompts, params)
+
+    save_drafter(drafter, tmp_path / "drafter")
+    process, address = spawn_drafter_process(str(tmp_path / "drafter"), device="cuda", dtype="float32")
+    target = TargetModel(model, drafter.config.target_layer_ids)
+    config = EngineConfig(target="tiny", device="cuda", kv_block_size=16, num_kv_blocks=128, max_num_seqs=4,
+                          cuda_graphs=graphs)
+    engine = assemble_engine(config, target, None, remote_drafter=drafter.config)
+    shared = []
+    proposer = RemoteProposer.connect(address, target=target, block_size=B, kv_block_size=16,
+                                      num_kv_blocks=engine.runner.pool.k.shape[1], capacity_rows=256, shared=shared,
+                                      graphs=engine.graphs)
+    engine.attach_proposer(proposer)
+    assert (engine.graphs is not None and engine.graphs.fits(proposer, B)) == graphs
+    split = engine.generate(prompts, params)
+    for a, b in zip(colocated, split, strict=True):
+        assert b.output_ids == a.output_ids
+        assert b.stats.accepted_per_position == a.stats.accepted_per_position
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+    proposer.close()
+    process.terminate()
+    for buffer in shared:
+        buffer.close()

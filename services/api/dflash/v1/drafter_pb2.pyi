@@ -43,18 +43,32 @@ class KVBlockHandle(_message.Message):
     def __init__(self, buffer_id: _Optional[str] = ..., row_offset: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "buffers", "kv_block_size", "num_kv_blocks", "block_size")
+    __slots__ = ("protocol_version", "features", "kv_block_size", "num_kv_blocks", "block_size", "embedding", "lm_head", "embedding_scale", "final_logit_softcapping", "graph_batch_sizes", "max_blocks_per_sequence", "scratch_blocks")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
-    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    LM_HEAD_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_SCALE_FIELD_NUMBER: _ClassVar[int]
+    FINAL_LOGIT_SOFTCAPPING_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SCRATCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
-    buffers: _containers.RepeatedCompositeFieldContainer[SharedBuffer]
+    features: SharedBuffer
     kv_block_size: int
     num_kv_blocks: int
     block_size: int
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., buffers: _Optional[_Iterable[_Union[SharedBuffer, _Mapping]]] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    embedding: SharedBuffer
+    lm_head: SharedBuffer
+    embedding_scale: float
+    final_logit_softcapping: float
+    graph_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    max_blocks_per_sequence: int
+    scratch_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., features: _Optional[_Union[SharedBuffer, _Mapping]] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., embedding: _Optional[_Union[SharedBuffer, _Mapping]] = ..., lm_head: _Optional[_Union[SharedBuffer, _Mapping]] = ..., embedding_scale: _Optional[float] = ..., final_logit_softcapping: _Optional[float] = ..., graph_batch_sizes: _Optional[_Iterable[int]] = ..., max_blocks_per_sequence: _Optional[int] = ..., scratch_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HelloReply(_message.Message):
     __slots__ = ("protocol_version", "error", "drafter", "block_size")

@@ -1,0 +1,119 @@
+"""The Ray Serve application: a gRPC router in front of verifier replicas (each with its drafter).
+
+`build_app(config)` is what `dflash serve` runs and what the Helm chart's serveConfigV2 imports
+(`services.app:app_from_env`). Ray Serve is the control plane — placement, replicas, health,
+restarts, request routing; the per-step traffic between a verifier and its drafter never goes
+through it (see services/verifier).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from services.config import ServeConfig
+from services.verifier.verifier import DRAFTER_CPUS
+
+GRPC_SERVICER_FUNCTIONS = [
+    "services.api.dflash.v1.generation_pb2_grpc.add_GenerationServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+ROUTER_CPUS = 0.25
+VERIFIER_CPUS = 0.5
+CONTROL_HEADROOM = 32
+
+
+def _replica_metrics(deployment: str, model: str):
+    from ray import serve
+
+    from services.metrics import ReplicaMetrics
+
+    return ReplicaMetrics(model=model, deployment=deployment, replica=serve.get_replica_context().replica_tag)
+
+
+class VerifierDeployment:
+    def __init__(self, config: dict):
+        from services.verifier.verifier import Verifier
+
+        self.verifier = Verifier(config, metrics=_replica_metrics("verifier", config["engine"]["target"]))
+
+    async def generate(self, prompt_ids, params, request_id=None):
+        async for out in self.verifier.generate(prompt_ids, params, request_id):
+            yield out
+
+    def model_info(self) -> dict:
+        return self.verifier.model_info()
+
+    def stats(self) -> dict:
+        return self.verifier.stats()
+
+    def __del__(self):
+        verifier = getattr(self, "verifier", None)
+        if verifier is not None:
+            verifier.shutdown()
+
+
+class RouterDeployment:
+    def __init__(self, verifier, config: dict):
+        from transformers import AutoConfig
+
+        from services.router.router import Router
+
+        cfg = ServeConfig.from_dict(config)
+        max_len = cfg.engine.max_model_len or int(
+            getattr(AutoConfig.from_pretrained(cfg.engine.target).get_text_config(), "max_position_embeddings", 0) or 32768
+        )
+        self.router = Router(verifier, cfg.engine.target, max_model_len=max_len,
+                             max_tokens_limit=cfg.engine.max_tokens_limit,
+                             default_max_tokens=cfg.default_max_tokens, max_pending=cfg.max_pending)
+
+    async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method names
+        # aclosing: a cancelled client closes the router's stream at once, which frees the request.
+        async with contextlib.aclosing(self.router.Generate(request, grpc_context)) as responses:
+            async for response in responses:
+                yield response
+
+    async def Complete(self, request, grpc_context):  # noqa: N802
+        return await self.router.Complete(request, grpc_context)
+
+    async def GetModelInfo(self, request, grpc_context):  # noqa: N802
+        return await self.router.GetModelInfo(request, grpc_context)
+
+    async def Check(self, request, grpc_context):  # noqa: N802 - grpc.health.v1
+        return await self.router.Check(request, grpc_context)
+
+
+def _bundle(cpus: float, gpus: float) -> dict:
+    return {"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus}
+
+
+def build_app(config: ServeConfig):
+    from ray import serve
+
+    config.validate()
+    split = config.topology == "split"
+    verifier_options = dict(
+        name="Verifier",
+        num_replicas=config.num_replicas,
+        # Headroom over max_pending for control calls (stats, model info), which must not queue behind streams.
+        max_ongoing_requests=config.max_pending + CONTROL_HEADROOM,
+        ray_actor_options={"num_cpus": VERIFIER_CPUS, "num_gpus": config.gpus_per_verifier},
+    )
+    if split:  # bundle 0: the verifier replica; bundle 1: its drafter actor (on the verifier's GPU)
+        verifier_options["placement_group_bundles"] = [
+            _bundle(VERIFIER_CPUS, config.gpus_per_verifier), _bundle(DRAFTER_CPUS, 0),
+        ]
+        verifier_options["placement_group_strategy"] = "STRICT_PACK"
+    verifier = serve.deployment(VerifierDeployment, **verifier_options).bind(config.to_dict())
+    # Headroom over max_pending: the router itself answers RESOURCE_EXHAUSTED rather than Serve queueing.
+    router = serve.deployment(RouterDeployment, name="Router", max_ongoing_requests=config.max_pending + CONTROL_HEADROOM,
+                              ray_actor_options={"num_cpus": ROUTER_CPUS})
+    return router.bind(verifier, config.to_dict())
+
+
+def app_from_env(args: dict | None = None):
+    """Entry point for serveConfigV2 `import_path: services.app:app_from_env`: the YAML config
+    comes from the file named by DFLASH_CONFIG (the chart mounts it) or from `args`."""
+    if args:
+        return build_app(ServeConfig.from_dict(args))
+    return build_app(ServeConfig.from_yaml(os.environ["DFLASH_CONFIG"]))

@@ -1,0 +1,143 @@
+"""GPU benchmark: the drafter in its own process (split, as served) vs in the verifier's (colocated).
+
+The same random-weight Qwen3-8B-shaped target and Qwen3-8B-DFlash-b16-shaped drafter as
+`spec_engine`, at a SYNTHETIC acceptance length (random drafts are never accepted; see there).
+Split: the drafter is a Ray actor on the same GPU (as `services.verifier` spawns it), fed through
+the shared feature ring and the frame channel; the verify forward replays a CUDA graph that reads
+the drafts from the host. Colocated: draft and verify are both graph replays in one process.
+
+    python -m services.bench.split_vs_colocated --out split.json
+
+Per (mode, batch): decode tok/s and step ms. Split also reports the transport overhead per draft
+request: the time the verifier waited for the drafter's answer beyond the drafter's own step time
+(channel round trip, framing, the drafter's queueing), median and p90, in µs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+
+import torch
+
+from services.bench.spec_engine import build_models, run_case
+from services.config import EngineConfig
+from services.engine.loader import assemble_engine
+from services.models import TargetModel, save_drafter
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def start_drafter_actor(drafter_dir: str):
+    """The drafter actor exactly as a verifier replica spawns it: no GPU of its own, this GPU visible."""
+    import ray
+
+    from services.drafter.actor import DrafterActor
+
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "0")
+    actor = ray.remote(DrafterActor).options(
+        num_cpus=0.5, runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": gpus}}).remote(drafter_dir, "cuda", "bfloat16")
+    return actor, ray.get(actor.address.remote(), timeout=600)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--tau", type=float, default=6.5, help="SYNTHETIC acceptance length")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    import ray
+
+    from services.verifier.remote_drafter import RemoteProposer
+
+    batches = [int(b) for b in args.batches.split(",")]
+    hf, drafter = build_models("cuda")
+    layer_ids = drafter.config.target_layer_ids
+    drafter_dir = tempfile.mkdtemp(prefix="dflash-bench-drafter-")
+    save_drafter(drafter, drafter_dir)
+    results = {"device": torch.cuda.get_device_name(), "synthetic_tau": args.tau, "rows": []}
+
+    def config(batch: int) -> EngineConfig:
+        blocks = batch * (-(-(args.prompt_len + args.max_tokens + 32) // 16)) + 64
+        return EngineConfig(target="random-qwen3-8b", device="cuda", num_kv_blocks=blocks, max_num_seqs=batch,
+                            max_prefill_tokens=8192)
+
+    def measure(engine, mode: str, batch: int) -> dict:
+        engine.synthetic_tau = args.tau
+        run_case(engine, batch, args.prompt_len, 40)  # warm-up
+        row = {"mode": mode, "batch": batch, "synthetic": True,
+               **run_case(engine, batch, args.prompt_len, args.max_tokens)}
+        print(json.dumps(row), flush=True)
+        results["rows"].append(row)
+        return row
+
+    for batch in batches:
+        target = TargetModel(hf, layer_ids)
+        measure(assemble_engine(config(batch), target, drafter), "colocated", batch)
+        target.close()
+        torch.cuda.empty_cache()
+
+    def measure_split(address, mode: str) -> None:
+        for batch in batches:
+            target = TargetModel(hf, layer_ids)
+            engine = assemble_engine(config(batch), target, None, remote_drafter=drafter.config)
+            shared = []
+            proposer = RemoteProposer.connect(address, target=target, block_size=drafter.config.block_size,
+                                              kv_block_size=16, num_kv_blocks=engine.runner.pool.k.shape[1],
+                                              capacity_rows=8192 + batch * 32, shared=shared, graphs=engine.graphs)
+            engine.attach_proposer(proposer)
+            run_case(engine, batch, args.prompt_len, 40)  # warm-up (the drafter's first kernels, its KV pool)
+            proposer.drain_transport_seconds()
+            proposer.draft_seconds.clear()
+            row = measure(engine, mode, batch)
+            transport = proposer.drain_transport_seconds()
+            row["transport_us_p50"] = 1e6 * statistics.median(transport)
+            row["transport_us_p90"] = 1e6 * _percentile(transport, 0.9)
+            row["drafter_step_ms_p50"] = 1e3 * statistics.median(proposer.draft_seconds)
+            row["draft_requests"] = len(transport)
+            print(json.dumps(row), flush=True)
+            proposer.close()
+            for buffer in shared:
+                buffer.close()
+            target.close()
+            del engine
+            torch.cuda.empty_cache()
+
+    drafter.to("meta")  # the split runs use the actor's copy
+    torch.cuda.empty_cache()
+
+    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    _actor, address = start_drafter_actor(drafter_dir)
+    measure_split(address, "split")
+    ray.shutdown()
+
+    print(markdown_table(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def markdown_table(results: dict) -> str:
+    colocated = {r["batch"]: r for r in results["rows"] if r["mode"] == "colocated"}
+    lines = [f"| mode (SYNTHETIC τ={results['synthetic_tau']:g}) | batch | tok/s | vs colocated | step ms | "
+             "drafter step ms p50 | transport µs p50 / p90 |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(results["rows"], key=lambda r: (r["batch"], r["mode"])):
+        base = colocated.get(r["batch"])
+        ratio = f"{r['tok_s'] / base['tok_s']:.3f}" if base else "-"
+        drafter = f"{r['drafter_step_ms_p50']:.2f}" if "drafter_step_ms_p50" in r else "-"
+        transport = f"{r['transport_us_p50']:.0f} / {r['transport_us_p90']:.0f}" if "transport_us_p50" in r else "-"
+        lines.append(f"| {r['mode']} | {r['batch']} | {r['tok_s']:.1f} | {ratio} | {r['step_ms']:.2f} | {drafter} | {transport} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

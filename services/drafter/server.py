@@ -1,0 +1,214 @@
+"""Serves one verifier at a time over a frame channel (protos/dflash/v1/drafter.proto).
+
+The verifier says Hello once: it names the shared buffers (its ring of committed feature rows,
+and its embedding and LM head, which the drafter uses rather than loading the target again) and
+the KV geometry (block ids are the verifier's: one block table per sequence addresses both
+pools). Then each StepRequest injects the new feature rows and drafts a block per sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from services.api.dflash.v1 import drafter_pb2
+from services.engine.cuda_graphs import RoundGraphs
+from services.engine.draft_runner import DraftRunner
+from services.engine.kv_cache import AttentionBatch, KVPool
+from services.models import DFlashDraftModel, load_drafter
+from services.transport import ChannelClosed, FrameListener, open_shared, read_rows
+
+log = logging.getLogger(__name__)
+PROTOCOL = drafter_pb2.PROTOCOL_VERSION_1
+
+
+class SharedTargetHead:
+    """The parts of the target a drafter uses — input embedding (with the target's own scaling)
+    and LM head (with its softcap) — over weights mapped from the verifier."""
+
+    def __init__(self, embedding: torch.Tensor, lm_head: torch.Tensor, embedding_scale: float, softcap: float):
+        self.input_embeddings = SimpleNamespace(weight=embedding)
+        self.lm_head_weight = lm_head
+        self.embedding_scale = embedding_scale
+        self.final_logit_softcapping = softcap or None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head_weight.dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = self.input_embeddings.weight
+        out = F.embedding(ids, weight)
+        return out if self.embedding_scale == 1.0 else out * torch.tensor(self.embedding_scale, dtype=weight.dtype)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight)
+
+
+class DrafterSession:
+    """What one Hello set up: mapped buffers, this verifier's KV pool, the runner."""
+
+    def __init__(self, drafter: DFlashDraftModel, hello: drafter_pb2.Hello):
+        cfg = drafter.config
+        if hello.block_size != cfg.block_size:
+            raise ValueError(f"verifier expects block size {hello.block_size}, this drafter drafts {cfg.block_size}")
+        self._opened = [open_shared(b) for b in (hello.features, hello.embedding, hello.lm_head)]
+        self.features, embedding, lm_head = (o.tensor for o in self._opened)
+        head = SharedTargetHead(embedding, lm_head, hello.embedding_scale, hello.final_logit_softcapping)
+        if not 0 <= cfg.mask_token_id < embedding.shape[0]:
+            raise ValueError(f"mask_token_id={cfg.mask_token_id} is not a row of the target embedding ({embedding.shape[0]})")
+        layers, heads, dim = DraftRunner.kv_shape(drafter.config)
+        pool = KVPool.allocate(layers, hello.num_kv_blocks, hello.kv_block_size, heads, dim, drafter.dtype, drafter.device)
+        self.kv_block_size = hello.kv_block_size
+        self.runner = DraftRunner(drafter, head, pool)
+        self.graphs = None
+        if hello.graph_batch_sizes and drafter.device.type == "cuda":
+            # At batch 1 an eager draft forward spends most of its time launching kernels.
+            self.graphs = RoundGraphs(None, self.runner, block=cfg.block_size, kv_block_size=hello.kv_block_size,
+                                      max_blocks=hello.max_blocks_per_sequence,
+                                      scratch_blocks=list(hello.scratch_blocks),
+                                      buckets=tuple(hello.graph_batch_sizes))
+        self.live: set[str] = set()
+        self.steps = 0
+
+    def step(self, req: drafter_pb2.StepRequest) -> drafter_pb2.StepResult:
+        t0 = time.perf_counter()
+        device = self.runner.drafter.device
+        if req.features.rows:
+            rows = read_rows(self.features, req.features).to(device)
+            positions = torch.tensor(req.positions, dtype=torch.long, device=device)
+            slots = torch.tensor(req.slots, dtype=torch.long, device=device)
+            self.runner.inject_context(rows, positions, slots)
+            if rows.is_cuda and not req.request_ids:
+                # The reply lets the verifier reuse these ring rows; the copy into KV must be done by then.
+                torch.cuda.current_stream(device).synchronize()
+        result = drafter_pb2.StepResult(protocol_version=PROTOCOL, step=req.step, num_sequences=len(req.request_ids))
+        if req.request_ids:
+            self.live.update(req.request_ids)
+            result.draft_tokens.extend(self._draft(req).flatten().tolist())
+        self.steps += 1
+        result.draft_seconds = time.perf_counter() - t0
+        return result
+
+    def _draft(self, req: drafter_pb2.StepRequest) -> torch.Tensor:
+        n, device = len(req.request_ids), self.runner.drafter.device
+        tables = [list(t.blocks) for t in req.block_tables]
+        if self.graphs is not None and n <= self.graphs.max_batch:
+            bucket = self.graphs.load(list(req.bonus_tokens), list(req.starts), tables)
+            self.graphs.draft(bucket)
+            return bucket.drafts[:n]
+        block = self.runner.block_size
+        batch = AttentionBatch.build(tables, list(req.starts), [block] * n, self.kv_block_size, device)
+        bonus = torch.tensor(req.bonus_tokens, dtype=torch.long, device=device)
+        starts = torch.tensor(req.starts, dtype=torch.long, device=device)
+        return self.runner.propose(list(req.request_ids), bonus, starts, batch)
+
+    def close(self) -> None:
+        for opened in self._opened:
+            opened.close()
+
+
+class DrafterServer:
+    def __init__(self, drafter: DFlashDraftModel, *, host: str = "127.0.0.1"):
+        self.drafter = drafter
+        self.listener = FrameListener(host=host, port=0)
+        self.session: DrafterSession | None = None
+        self.sessions_served = 0
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def load(cls, drafter_path: str, *, device: str, dtype: torch.dtype) -> DrafterServer:
+        return cls(load_drafter(drafter_path, dtype=dtype, device=device))
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.listener.address
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.serve_forever, name="drafter-server", daemon=True)
+        self._thread.start()
+
+    def serve_forever(self) -> None:
+        while True:
+            channel = self.listener.accept(timeout=None)
+            try:
+                self._serve(channel)
+            except ChannelClosed:
+                log.info("verifier disconnected")
+            except Exception:  # noqa: BLE001 - one bad session must not stop the server
+                log.exception("drafter session failed")
+            finally:
+                channel.close()
+                if self.session is not None:
+                    self.session.close()
+                    self.session = None
+
+    def _serve(self, channel) -> None:
+        first = channel.recv(drafter_pb2.DrafterRequest)
+        if first.WhichOneof("kind") != "hello":
+            raise ValueError("the first frame of a session must be Hello")
+        hello = first.hello
+        reply = drafter_pb2.HelloReply(protocol_version=PROTOCOL, block_size=self.drafter.config.block_size)
+        if hello.protocol_version != PROTOCOL:
+            reply.error = f"protocol version {hello.protocol_version} is not supported; this drafter speaks {PROTOCOL}"
+        else:
+            try:
+                self.session = DrafterSession(self.drafter, hello)
+            except ValueError as err:
+                reply.error = str(err)
+        channel.send(drafter_pb2.DrafterReply(hello=reply))
+        if reply.error:
+            return
+        self.sessions_served += 1
+        while True:
+            frame = channel.recv(drafter_pb2.DrafterRequest)
+            kind = frame.WhichOneof("kind")
+            if kind == "step":
+                try:
+                    result = self.session.step(frame.step)
+                except Exception as err:  # noqa: BLE001 - reported to the verifier, which falls back
+                    log.exception("draft step failed")
+                    result = drafter_pb2.StepResult(protocol_version=PROTOCOL, step=frame.step.step,
+                                                    error=f"{type(err).__name__}: {err}")
+                channel.send(drafter_pb2.DrafterReply(step=result))
+            elif kind == "release":
+                self.session.live.difference_update(frame.release.request_ids)
+
+    def stats(self) -> dict:
+        session = self.session
+        return {
+            "connected": session is not None,
+            "live_sequences": len(session.live) if session else 0,
+            "steps": session.steps if session else 0,
+            "sessions_served": self.sessions_served,
+        }
+
+
+def _serve_child(drafter_path: str, device: str, dtype: str, conn) -> None:
+    from services.engine.loader import resolve_dtype
+
+    server = DrafterServer.load(drafter_path, device=device, dtype=resolve_dtype(dtype, torch.device(device)))
+    conn.send(server.address)
+    conn.close()
+    server.serve_forever()
+
+
+def spawn_drafter_process(drafter_path: str, *, device: str, dtype: str = "auto"):
+    """A drafter server in a child process of its own, without Ray (CUDA IPC handles cannot be
+    opened by the process that made them, so a drafter on a thread would not do): for tests and
+    benchmarks. Returns the process (terminate it when done) and its address."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_serve_child, args=(drafter_path, device, dtype, child), daemon=True)
+    process.start()
+    if not parent.poll(600):
+        process.terminate()
+        raise TimeoutError("the drafter process did not start within 600 s")
+    return process, parent.recv()

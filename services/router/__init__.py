@@ -1,0 +1,1 @@
+"""gRPC ingress: validation, tokenization, admission control and streaming (see router.py)."""

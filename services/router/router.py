@@ -1,0 +1,246 @@
+"""The gRPC ingress: validation, tokenization, admission and streaming in front of the verifiers.
+
+`Router` is a plain class; `services.app` wraps it in a Ray Serve deployment whose gRPC methods
+(`dflash.v1.Generation` and `grpc.health.v1.Health/Check`) call the methods of the same names.
+The verifier is reached only through its handle: `generate` (a stream of `RequestOutput`s) and
+`model_info`.
+
+Client errors never surface as exceptions with a stack trace: the status code and a readable
+message are set on `grpc_context`. A streaming call then ends by raising `RpcFailed`, because Ray
+Serve 2.60 sends a status set on a stream only together with a later message or exception — set
+and returned without one, the client sees OK (checked on a real Serve gRPC proxy). Unary calls
+return an empty message instead, which carries the status as is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+from jinja2 import TemplateError
+
+from services.api.dflash.v1 import generation_pb2
+from services.engine.request import RequestOutput
+from services.engine.sampling import SamplingParams
+from services.engine.stopping import FinishReason
+from services.router.validation import (
+    InvalidRequest,
+    chat_messages,
+    check_prompt_text,
+    check_token_ids,
+    fit_to_context,
+    no_input,
+    sampling_params,
+)
+
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+_FINISH_REASONS = {
+    FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: generation_pb2.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: generation_pb2.FINISH_REASON_ERROR,
+}
+
+
+class RpcFailed(Exception):
+    """Ends a call whose status code and details are already set on its grpc_context."""
+
+
+class Router:
+    def __init__(
+        self,
+        verifier_handle,
+        tokenizer: str | Any,
+        *,
+        max_model_len: int,
+        max_tokens_limit: int,
+        default_max_tokens: int,
+        max_pending: int,
+    ):
+        """tokenizer: the target's tokenizer folder or hub id, or a loaded tokenizer."""
+        if isinstance(tokenizer, str):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.verifier = verifier_handle
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_tokens_limit = max_tokens_limit
+        self.default_max_tokens = default_max_tokens
+        self.max_pending = max_pending
+        self._in_flight: set[str] = set()  # request ids admitted and not yet finished
+        self._model_info: dict | None = None  # the verifier's, fetched once
+        # Tokenizing a long prompt takes milliseconds: off the event loop that streams every other
+        # request's tokens, on one thread because a fast tokenizer is not safe to share between threads.
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    # -- dflash.v1.Generation --------------------------------------------------------------------
+
+    async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method names
+        """Streams GenerateResponses: new text and token ids as they are accepted; the last one
+        carries the finish reason, usage and speculation statistics."""
+        request_id = request.request_id or uuid.uuid4().hex
+        self._admit(request_id, grpc_context)
+        try:
+            try:
+                prompt_ids, params = await self._prepare(request)
+            except InvalidRequest as err:
+                raise _abort(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+            stream = self.verifier.generate.options(stream=True).remote(prompt_ids, params, request_id)
+            last: RequestOutput | None = None
+            try:
+                async for last in stream:
+                    yield _response(request_id, last)
+            except Exception as err:  # noqa: BLE001 - the verifier call failed; CancelledError passes
+                raise _verifier_failed(grpc_context, err, produced=last is not None) from None
+            finally:
+                if last is None or not last.finished:
+                    # The client cancelled, its deadline passed, or the call failed: cancelling the
+                    # verifier call frees the request's KV on the verifier and its drafter.
+                    stream.cancel()
+            if last is None or not last.finished:
+                raise _abort(grpc_context, grpc.StatusCode.INTERNAL,
+                             "the verifier's stream ended before the request finished")
+            if _finish_reason(last) == generation_pb2.FINISH_REASON_ERROR:
+                raise _abort(grpc_context, grpc.StatusCode.INTERNAL,
+                             f"generation failed: {last.error or 'no reason given'}")
+        finally:
+            self._in_flight.discard(request_id)
+
+    async def Complete(self, request, grpc_context):  # noqa: N802
+        """The whole completion in one GenerateResponse."""
+        merged = generation_pb2.GenerateResponse()
+        try:
+            async for response in self.Generate(request, grpc_context):
+                merged.request_id = response.request_id
+                merged.text += response.text
+                merged.token_ids.extend(response.token_ids)
+                merged.finish_reason = response.finish_reason
+                if response.HasField("usage"):
+                    merged.usage.CopyFrom(response.usage)
+                    merged.spec_stats.CopyFrom(response.spec_stats)
+        except RpcFailed:
+            return generation_pb2.GenerateResponse()
+        return merged
+
+    async def GetModelInfo(self, request, grpc_context):  # noqa: N802
+        try:
+            info = await self._verifier_model_info()
+        except Exception as err:  # noqa: BLE001 - the client gets the reason, not a stack trace
+            _set_status(grpc_context, grpc.StatusCode.INTERNAL, f"the verifier did not answer: {_describe(err)}")
+            return generation_pb2.ModelInfo()
+        return generation_pb2.ModelInfo(**{f.name: info[f.name] for f in generation_pb2.ModelInfo.DESCRIPTOR.fields})
+
+    # -- grpc.health.v1.Health -------------------------------------------------------------------
+
+    async def Check(self, request, grpc_context):  # noqa: N802
+        if request.service not in ("", GENERATION_SERVICE):
+            _set_status(grpc_context, grpc.StatusCode.NOT_FOUND,
+                        f"unknown service {request.service!r}; this server serves {GENERATION_SERVICE!r}")
+            return health_pb2.HealthCheckResponse()
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    # -- one request -----------------------------------------------------------------------------
+
+    def _admit(self, request_id: str, context) -> None:
+        if request_id in self._in_flight:
+            raise _abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight: "
+                         "use a unique id per request, or leave it empty")
+        if len(self._in_flight) >= self.max_pending:
+            raise _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"the server is at its limit of "
+                         f"{self.max_pending} requests in flight: retry later, with backoff")
+        self._in_flight.add(request_id)
+
+    async def _prepare(self, request) -> tuple[list[int], SamplingParams]:
+        """Validated prompt token ids and sampling parameters, server defaults applied."""
+        params = sampling_params(request.sampling, default_max_tokens=self.default_max_tokens,
+                                 max_tokens_limit=self.max_tokens_limit)
+        kind = request.WhichOneof("input")
+        if kind == "token_ids":
+            vocab_size = (await self._verifier_model_info())["vocab_size"]
+            check_token_ids(request.token_ids.ids, vocab_size)
+            prompt_ids = list(request.token_ids.ids)
+        elif kind in ("prompt", "chat"):
+            loop = asyncio.get_running_loop()
+            prompt_ids = await loop.run_in_executor(self._tokenizer_thread, self._tokenize, request)
+        else:
+            raise no_input()
+        return prompt_ids, fit_to_context(params, len(prompt_ids), self.max_model_len)
+
+    def _tokenize(self, request) -> list[int]:
+        if request.WhichOneof("input") == "prompt":
+            check_prompt_text(request.prompt)
+            return self.tokenizer.encode(request.prompt)
+        messages = chat_messages(request.chat.messages)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidRequest(
+                "this model's tokenizer has no chat template: send prompt (raw text) or token_ids instead")
+        try:
+            return list(self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        except TemplateError as err:  # the template's own checks, e.g. roles that must alternate
+            raise InvalidRequest(f"the chat template refused these messages: {err}") from None
+
+    async def _verifier_model_info(self) -> dict:
+        if self._model_info is None:
+            self._model_info = await self.verifier.model_info.remote()
+        return self._model_info
+
+
+def _response(request_id: str, out: RequestOutput) -> generation_pb2.GenerateResponse:
+    response = generation_pb2.GenerateResponse(request_id=request_id, text=out.new_text, token_ids=out.new_token_ids)
+    if not out.finished:
+        return response
+    response.finish_reason = _finish_reason(out)
+    response.usage.CopyFrom(generation_pb2.Usage(
+        prompt_tokens=out.num_prompt_tokens,
+        completion_tokens=out.num_output_tokens,
+        total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+    ))
+    stats = out.stats
+    response.spec_stats.CopyFrom(generation_pb2.SpecStats(
+        num_drafts=stats.rounds,
+        num_draft_tokens=stats.draft_tokens,
+        num_accepted_tokens=stats.accepted_tokens,
+        mean_acceptance_length=stats.mean_acceptance_length,
+        accepted_per_position=stats.accepted_per_position,
+    ))
+    return response
+
+
+def _finish_reason(out: RequestOutput) -> int:
+    """A finished output without a reason is a verifier bug: reported as an error, not a success."""
+    return _FINISH_REASONS.get(out.finish_reason, generation_pb2.FINISH_REASON_ERROR)
+
+
+def _set_status(context, code: grpc.StatusCode, details: str) -> None:
+    context.set_code(code)
+    context.set_details(details)
+
+
+def _abort(context, code: grpc.StatusCode, details: str) -> RpcFailed:
+    """Sets the call's status; returns the exception that ends a streaming call with it."""
+    _set_status(context, code, details)
+    return RpcFailed(f"{code.name}: {details}")
+
+
+def _verifier_failed(context, err: Exception, *, produced: bool) -> RpcFailed:
+    cause = _cause(err)
+    if not produced and isinstance(cause, ValueError):  # the engine refused the request: a client error
+        return _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(cause))
+    return _abort(context, grpc.StatusCode.INTERNAL, f"the verifier failed: {_describe(err)}")
+
+
+def _cause(err: BaseException) -> BaseException:
+    """The replica's own exception: Ray re-raises it wrapped, keeping the original as `cause`."""
+    return getattr(err, "cause", None) or err
+
+
+def _describe(err: BaseException) -> str:
+    cause = _cause(err)
+    return f"{type(cause).__name__}: {cause}"

@@ -1,0 +1,1 @@
+"""The verifier deployment: target model, scheduler loop, acceptance; talks to its drafter."""

@@ -1,0 +1,132 @@
+"""A `Proposer` whose drafter lives in another process, reached over a frame channel.
+
+Feature rows go into a shared ring (opened once by the drafter) and only their handle travels.
+Injections are sent without waiting; the reply to the next draft request drains them, so a step
+costs one round trip. Any channel failure, timeout or drafter error raises `ProposerLost`: the
+engine then decodes target-only until a new drafter is attached.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import torch
+
+from services.api.dflash.v1 import drafter_pb2
+from services.engine.cuda_graphs import RoundGraphs
+from services.engine.draft_runner import ProposerLost
+from services.models import TargetModel
+from services.transport import ChannelClosed, FeatureRing, SharedTensor, connect
+
+PROTOCOL = drafter_pb2.PROTOCOL_VERSION_1
+
+
+class RemoteProposer:
+    def __init__(self, channel, ring: FeatureRing, block_size: int, capacity_rows: int, *, timeout: float):
+        self.channel = channel
+        self.ring = ring
+        self.block_size = block_size
+        self.capacity_rows = capacity_rows
+        self.timeout = timeout
+        self._step = 0
+        self._unanswered = 0  # requests sent whose replies are not read yet
+        # Per draft request: time waited beyond the drafter's own time on that step: the channel,
+        # framing, and injections the drafter was still doing when the request came.
+        self._transport_seconds: collections.deque[float] = collections.deque(maxlen=4096)
+        self.draft_seconds: collections.deque[float] = collections.deque(maxlen=4096)  # the drafter's, per request
+
+    @classmethod
+    def connect(cls, address, *, target: TargetModel, block_size: int, kv_block_size: int, num_kv_blocks: int,
+                capacity_rows: int, shared: list[SharedTensor], graphs: RoundGraphs | None = None,
+                timeout: float = 30.0) -> RemoteProposer:
+        """Open the channel and say Hello; `shared` receives the buffers the verifier must keep alive.
+        With the verifier's `graphs`, the drafter captures its forward for the same batch sizes."""
+        width = target.hidden_size * len(target.layer_ids)
+        features = SharedTensor.allocate("features", (capacity_rows, width), target.dtype, target.device)
+        embedding = SharedTensor.wrap("embedding", target.input_embeddings.weight.detach())
+        lm_head = SharedTensor.wrap("lm_head", target.lm_head.weight.detach())
+        shared.extend([features, embedding, lm_head])
+        scale = getattr(target.input_embeddings, "embed_scale", 1.0)
+        hello = drafter_pb2.Hello(
+            protocol_version=PROTOCOL, features=features.describe(), kv_block_size=kv_block_size,
+            num_kv_blocks=num_kv_blocks, block_size=block_size, embedding=embedding.describe(),
+            lm_head=lm_head.describe(), embedding_scale=float(scale),
+            final_logit_softcapping=float(target.final_logit_softcapping or 0.0),
+        )
+        if graphs is not None:
+            hello.graph_batch_sizes.extend(graphs.buckets)
+            hello.max_blocks_per_sequence = graphs.max_blocks
+            hello.scratch_blocks.extend(graphs.scratch_blocks)
+        try:
+            channel = connect(address, timeout=timeout)
+            channel.send(drafter_pb2.DrafterRequest(hello=hello))
+            reply = channel.recv(drafter_pb2.DrafterReply, timeout=timeout).hello
+        except (ChannelClosed, OSError, TimeoutError) as err:
+            raise ProposerLost(f"cannot reach the drafter at {address}: {err}") from err
+        if reply.error:
+            channel.close()
+            raise ValueError(f"the drafter refused this verifier: {reply.error}")
+        return cls(channel, FeatureRing(features), block_size, capacity_rows, timeout=timeout)
+
+    def inject_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        rows = features.shape[0]
+        if rows == 0:
+            return
+        if not self.ring.can_write(rows):
+            self._drain()  # once the drafter has answered, every row is read and the ring may wrap
+        handle = self.ring.write(features)
+        self._send(drafter_pb2.StepRequest(features=handle, positions=positions.tolist(), slots=slots.tolist()))
+
+    def propose_host(self, request_ids: list[str], bonus: list[int], starts: list[int],
+                     tables: list[list[int]]) -> torch.Tensor:
+        """Drafts [n, block-1] (on the CPU) for the tokens after each bonus token."""
+        self._send(drafter_pb2.StepRequest(
+            request_ids=request_ids, bonus_tokens=bonus, starts=starts,
+            block_tables=[drafter_pb2.BlockTable(blocks=t) for t in tables]))
+        t0 = time.perf_counter()
+        result = self._drain()
+        self._transport_seconds.append(time.perf_counter() - t0 - result.draft_seconds)
+        self.draft_seconds.append(result.draft_seconds)
+        n = len(request_ids)
+        if result.num_sequences != n or len(result.draft_tokens) != n * (self.block_size - 1):
+            raise ProposerLost(f"the drafter answered {len(result.draft_tokens)} drafts for {n} sequences")
+        return torch.tensor(result.draft_tokens, dtype=torch.long).view(n, -1)
+
+    def drain_transport_seconds(self) -> list[float]:
+        out = list(self._transport_seconds)
+        self._transport_seconds.clear()
+        return out
+
+    def release(self, request_ids: list[str]) -> None:
+        try:
+            self.channel.send(drafter_pb2.DrafterRequest(release=drafter_pb2.ReleaseSequences(request_ids=request_ids)))
+        except (ChannelClosed, OSError):
+            pass  # a lost drafter is noticed (and handled) at the next step
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _send(self, step: drafter_pb2.StepRequest) -> None:
+        self._step += 1
+        step.protocol_version = PROTOCOL
+        step.step = self._step
+        try:
+            self.channel.send(drafter_pb2.DrafterRequest(step=step))
+        except (ChannelClosed, OSError) as err:
+            raise ProposerLost(f"drafter channel closed: {err}") from err
+        self._unanswered += 1
+
+    def _drain(self) -> drafter_pb2.StepResult:
+        """Read every outstanding reply; returns the last."""
+        result = None
+        try:
+            while self._unanswered:
+                result = self.channel.recv(drafter_pb2.DrafterReply, timeout=self.timeout).step
+                self._unanswered -= 1
+                if result.error:
+                    raise ProposerLost(f"drafter step {result.step} failed: {result.error}")
+        except (ChannelClosed, OSError, TimeoutError) as err:
+            raise ProposerLost(f"drafter did not answer: {err}") from err
+        self.ring.mark_read()
+        return result

@@ -1,0 +1,298 @@
+"""The verifier replica: owns the target, the engine and its scheduler loop, and its drafter.
+
+The engine runs in one thread (continuous batching; requests join and leave between steps).
+Requests arrive as async calls from the router; each gets a queue that the loop thread fills
+with `RequestOutput`s. Cancelling a call cancels the request in the engine, which frees its KV
+blocks; the drafter is told to forget it. With topology=split the drafter is a separate actor in
+this replica's placement group, reached over a direct channel; if it dies, the engine continues
+target-only (still lossless) and a watcher reattaches the restarted actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+
+import torch
+
+from services.config import ServeConfig
+from services.engine.loader import assemble_engine, build_engine, resolve_dtype
+from services.engine.request import RequestOutput
+from services.engine.sampling import SamplingParams
+from services.engine.stopping import FinishReason
+from services.models import TargetModel
+from services.models.checkpoint import read_draft_config, resolve_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def spawn_drafter_actor(config: ServeConfig) -> tuple:
+    """The drafter actor, in bundle 1 of this replica's placement group (same node), on this
+    replica's GPU; Ray restarts it if it dies."""
+    import ray
+    from ray.util import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from services.drafter.actor import DrafterActor
+
+    pg = get_current_placement_group()
+    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1) if pg is not None else None
+    name = f"dflash-drafter-{uuid.uuid4().hex[:8]}"
+    cfg = config.engine
+    options = dict(name=name, max_restarts=-1, num_cpus=DRAFTER_CPUS, scheduling_strategy=strategy)
+    if cfg.device.startswith("cuda"):
+        # It takes no GPU of its own (Ray then leaves CUDA_VISIBLE_DEVICES alone): it sees exactly
+        # this replica's GPU, as cuda:0 like the verifier does, so CUDA IPC handles open there.
+        gpus = ",".join(str(g) for g in ray.get_gpu_ids())
+        options["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": gpus}}
+    actor = ray.remote(DrafterActor).options(**options).remote(cfg.drafter, cfg.device, cfg.dtype)
+    return actor, name
+
+
+DRAFTER_CPUS = 0.5
+
+
+class Verifier:
+    def __init__(self, config: dict, *, drafter_actor=None, metrics=None):
+        self.config = ServeConfig.from_dict(config)
+        engine_cfg = self.config.engine
+        self.metrics = metrics
+        self.drafter_actor = drafter_actor
+        self._shared = []  # shared buffers the drafter maps; alive as long as this replica
+        self._remote_proposer = None
+        if self.config.topology == "colocated":
+            self.engine = build_engine(engine_cfg)
+        else:
+            import ray
+            from transformers import AutoTokenizer
+
+            from services.engine.loader import eos_token_ids
+
+            draft_cfg = read_draft_config(resolve_checkpoint(engine_cfg.drafter))
+            self.drafter_actor_name = None
+            if self.drafter_actor is None:  # first: it loads its weights while the target loads
+                self.drafter_actor, self.drafter_actor_name = spawn_drafter_actor(self.config)
+            address = self.drafter_actor.address.remote()
+            device = torch.device(engine_cfg.device)
+            dtype = resolve_dtype(engine_cfg.dtype, device)
+            target = TargetModel.from_pretrained(engine_cfg.target, draft_cfg.target_layer_ids, dtype=dtype, device=device)
+            tokenizer = AutoTokenizer.from_pretrained(engine_cfg.target)
+            address = ray.get(address, timeout=600)  # the drafter's weights are on the GPU: size KV after
+            self.engine = assemble_engine(engine_cfg, target, None, tokenizer=tokenizer,
+                                          eos_token_ids=eos_token_ids(engine_cfg.target, tokenizer),
+                                          remote_drafter=draft_cfg)
+            self.draft_block_size = draft_cfg.block_size
+            self._pending_address = None  # a restarted drafter's address, while it is asked for
+            self._connect_drafter(address)
+        self._commands: queue.Queue = queue.Queue()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._arrivals: dict[str, float] = {}
+        self._last_emit: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- drafter ---------------------------------------------------------------------------------
+
+    def _connect_drafter(self, address) -> None:
+        from services.verifier.remote_drafter import RemoteProposer
+
+        cfg = self.config.engine
+        capacity = cfg.max_prefill_tokens + cfg.max_num_seqs * self.draft_block_size * 2
+        for buffer in self._shared:
+            buffer.close()
+        self._shared = []
+        proposer = RemoteProposer.connect(
+            address, target=self.engine.runner.target, block_size=self.draft_block_size,
+            kv_block_size=cfg.kv_block_size, num_kv_blocks=self.engine.runner.pool.k.shape[1],
+            capacity_rows=capacity, shared=self._shared, graphs=self.engine.graphs,
+        )
+        self.engine.attach_proposer(proposer)
+        self._remote_proposer = proposer
+        if self.metrics:
+            self.metrics.set("dflash_speculative_enabled", 1)
+
+    def _reattach_if_lost(self) -> None:
+        """Called between steps: after a drafter loss, reconnect once the restarted actor answers.
+        Never blocks the loop (requests keep decoding target-only meanwhile)."""
+        import ray
+
+        if self.drafter_actor is None or self.engine.proposer is not None:
+            return
+        if self._pending_address is None:
+            if time.monotonic() >= getattr(self, "_next_reattach", 0.0):
+                self._pending_address = self.drafter_actor.address.remote()
+            return
+        if not ray.wait([self._pending_address], timeout=0)[0]:
+            return
+        ref, self._pending_address = self._pending_address, None
+        self._next_reattach = time.monotonic() + 1.0
+        try:
+            self._connect_drafter(ray.get(ref))
+            log.info("drafter reattached; speculative decoding resumed")
+        except Exception as err:  # noqa: BLE001 - the actor is still restarting; try again later
+            log.info("drafter not back yet: %s", err)
+
+    # -- the engine loop -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        losses = 0
+        while not self._stop.is_set():
+            try:
+                while True:
+                    self._commands.get_nowait()()
+            except queue.Empty:
+                pass
+            if self.config.topology == "split":
+                self._reattach_if_lost()
+            if not self.engine.has_unfinished():
+                try:
+                    self._commands.get(timeout=0.05)()
+                except queue.Empty:
+                    pass
+                continue
+            outputs = self.engine.step()
+            if self.engine.proposer_losses != losses:
+                losses = self.engine.proposer_losses
+                if self.metrics:
+                    self.metrics.inc("dflash_drafter_restarts")
+                    self.metrics.set("dflash_speculative_enabled", 0)
+            for out in outputs:
+                self._deliver(out)
+            self._record_step()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        target = self._queues.get(out.request_id)
+        if self.metrics is not None and out.new_token_ids:
+            now = time.monotonic()
+            last = self._last_emit.get(out.request_id)
+            if last is not None:  # a round's tokens arrive together: spread its gap over them
+                for _ in out.new_token_ids:
+                    self.metrics.observe("dflash_inter_token_latency_seconds", (now - last) / len(out.new_token_ids))
+            self._last_emit[out.request_id] = now
+        if out.finished:
+            self._queues.pop(out.request_id, None)
+            self._last_emit.pop(out.request_id, None)
+            self._record_request(out)
+            self.engine.release(out.request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    # -- the router's calls ----------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None):
+        """Async generator of `RequestOutput`s; cancelling it cancels the request."""
+        request_id = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        added: asyncio.Future = loop.create_future()
+
+        def add() -> None:
+            try:
+                self.engine.add_request(prompt_ids, params, request_id)
+                self._queues[request_id] = (loop, outputs)
+                self._arrivals[request_id] = time.monotonic()
+                loop.call_soon_threadsafe(added.set_result, None)
+            except ValueError as err:
+                loop.call_soon_threadsafe(added.set_exception, err)
+
+        self._commands.put(add)
+        await added
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._commands.put(lambda: self._cancel(request_id))
+
+    def _cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+        for table in (self._queues, self._arrivals, self._last_emit):
+            table.pop(request_id, None)
+        self.engine.release(request_id)
+
+    def model_info(self) -> dict:
+        cfg = self.config.engine
+        return {
+            "target": cfg.target,
+            "drafter": cfg.drafter or "",
+            "block_size": getattr(self, "draft_block_size", self.engine.block_size),
+            "max_model_len": self.engine.max_model_len,
+            "max_tokens_limit": cfg.max_tokens_limit,
+            "vocab_size": self.engine.vocab_size,
+            "topology": self.config.topology,
+        }
+
+    def stats(self) -> dict:
+        """Engine state for health checks and tests."""
+        engine = self.engine
+        return {
+            "running": engine.num_running,
+            "waiting": engine.num_waiting,
+            "kv_free_blocks": engine.allocator.num_free,
+            "kv_blocks": engine.allocator.num_blocks,
+            "speculative": engine.proposer is not None,
+            "drafter_losses": engine.proposer_losses,
+            "drafter_actor": getattr(self, "drafter_actor_name", None),
+        }
+
+    # -- metrics ---------------------------------------------------------------------------------
+
+    def _record_step(self) -> None:
+        m, engine = self.metrics, self.engine
+        if m is None:
+            engine.round_log.clear()
+            return
+        while engine.round_log:
+            record = engine.round_log.popleft()
+            m.observe("dflash_step_phase_seconds", record.verify_seconds, phase="verify")
+            if not record.drafted:
+                continue
+            m.observe("dflash_step_phase_seconds", record.draft_seconds, phase="draft")
+            accepted = record.accepted
+            m.inc("dflash_spec_decode_num_drafts", len(accepted))
+            m.inc("dflash_spec_decode_num_draft_tokens", record.drafted * len(accepted))
+            m.inc("dflash_spec_decode_num_accepted_tokens", sum(accepted))
+            for a in accepted:
+                m.observe("dflash_acceptance_length", a + 1)
+                for pos in range(a):
+                    m.inc("dflash_spec_decode_num_accepted_tokens_per_pos", 1, position=str(pos))
+        proposer = self._remote_proposer
+        if proposer is not None:
+            for seconds in proposer.drain_transport_seconds():
+                m.observe("dflash_step_phase_seconds", seconds, phase="transport")
+        m.set("dflash_num_requests_running", engine.num_running)
+        m.set("dflash_num_requests_waiting", engine.num_waiting)
+        m.set("dflash_kv_cache_usage_perc", engine.kv_usage)
+
+    def _record_request(self, out: RequestOutput) -> None:
+        arrival = self._arrivals.pop(out.request_id, None)
+        seq = self.engine.sequences.get(out.request_id)
+        if self.metrics is None or arrival is None or seq is None:
+            return
+        m, now = self.metrics, time.monotonic()
+        m.inc("dflash_prompt_tokens", out.num_prompt_tokens)
+        m.inc("dflash_generation_tokens", out.num_output_tokens)
+        m.inc("dflash_request_success", 1, finished_reason=str(out.finish_reason or FinishReason.ERROR))
+        m.observe("dflash_e2e_request_latency_seconds", now - arrival)
+        if seq.scheduled_time is not None:
+            m.observe("dflash_request_queue_time_seconds", seq.scheduled_time - arrival)
+        if seq.first_token_time is not None:
+            m.observe("dflash_time_to_first_token_seconds", seq.first_token_time - arrival)
+            if out.num_output_tokens > 1:
+                m.observe("dflash_request_time_per_output_token_seconds",
+                          (now - seq.first_token_time) / (out.num_output_tokens - 1))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for buffer in self._shared:
+            buffer.close()

@@ -1,0 +1,80 @@
+"""The split topology without Ray: a DrafterServer in a thread, the engine with a RemoteProposer
+over the real frame channel and shared buffers. Lossless, one round trip per step, and a lost
+drafter means target-only decoding, not failed requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.drafter.server import DrafterServer
+from services.engine.sampling import SamplingParams
+from services.verifier.remote_drafter import RemoteProposer
+from tests.conftest import drafter_config, random_drafter
+from tests.engine.harness import build_engine, hf_greedy
+from tests.targets import tiny_target
+
+V, B = 96, 5
+
+
+@pytest.fixture
+def pair():
+    target = tiny_target("llama", layers=4, vocab=V, seed=13).float()
+    cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
+                         layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [1, 3]})
+    return target, random_drafter(cfg, seed=8, dtype=torch.float32)
+
+
+def _remote_engine(target, drafter, shared):
+    server = DrafterServer(drafter)
+    server.start()
+    engine = build_engine(target, proposer=_Placeholder(drafter))  # captures the drafter's layers
+    proposer = RemoteProposer.connect(server.address, target=engine.runner.target, block_size=B,
+                                      kv_block_size=engine.allocator.block_size,
+                                      num_kv_blocks=engine.runner.pool.k.shape[1], capacity_rows=64, shared=shared)
+    engine.attach_proposer(proposer)
+    return engine, server, proposer
+
+
+class _Placeholder:
+    """Stands in until the remote proposer is attached (the harness sizes the engine from it)."""
+
+    def __init__(self, drafter):
+        self.block_size = drafter.config.block_size
+        self.target_layer_ids = drafter.config.target_layer_ids
+
+
+def test_remote_drafter_matches_local_drafter_and_plain_greedy(pair):
+    target, drafter = pair
+    prompts = [[1, 2, 3, 4], list(range(10, 40)), [7] * 6]
+    local = build_engine(target, drafter=drafter).generate(prompts, SamplingParams(temperature=0.0, max_tokens=30))
+    shared = []
+    engine, server, proposer = _remote_engine(target, drafter, shared)
+    remote = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30))
+    for prompt, a, b in zip(prompts, local, remote, strict=True):
+        assert b.output_ids == a.output_ids == hf_greedy(target, prompt, 30)
+        assert b.stats.accepted_per_position == a.stats.accepted_per_position  # the same drafts, remotely
+    assert server.stats()["live_sequences"] == 0  # every finished sequence was released
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+    proposer.close()
+    for buffer in shared:
+        buffer.close()
+
+
+def test_a_dropped_channel_falls_back_to_target_only_without_failing_requests(pair):
+    target, drafter = pair
+    shared = []
+    engine, server, proposer = _remote_engine(target, drafter, shared)
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5]]
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=40)) for p in prompts]
+    engine.step()
+    engine.step()
+    proposer.channel.close()  # the drafter process went away
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.proposer is None and engine.proposer_losses == 1
+    for rid, prompt in zip(ids, prompts, strict=True):
+        seq = engine.sequences[rid]
+        assert seq.error is None and seq.output_ids == hf_greedy(target, prompt, 40)
+    for buffer in shared:
+        buffer.close()

@@ -1,0 +1,205 @@
+"""The real application on a real local Ray: gRPC in, router, verifier and drafter actors.
+
+Streamed output equals the embedded engine's; bad input gets INVALID_ARGUMENT; a cancelled stream
+frees every KV block on both actors; killing the drafter mid-stream loses no request and keeps
+the output lossless; the exported counters are consistent; health and reflection answer.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from services.api.dflash.v1 import generation_pb2, generation_pb2_grpc
+from services.config import EngineConfig, ServeConfig
+from services.engine.loader import build_engine
+from services.engine.sampling import SamplingParams
+from tests.integration.conftest import DEVICE
+
+pytestmark = pytest.mark.integration
+
+
+def _wait(predicate, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def app(ray_serve, model_pair):
+    from ray import serve
+
+    from services.app import build_app
+
+    target, drafter = model_pair
+    config = ServeConfig(engine=EngineConfig(target=target, drafter=drafter, device=DEVICE, num_kv_blocks=256,
+                                             max_num_seqs=4),
+                         topology="split", max_pending=8, default_max_tokens=32, grpc_port=ray_serve["grpc"])
+    serve.run(build_app(config), name="dflash", route_prefix="/")
+    channel = grpc.insecure_channel(f"127.0.0.1:{ray_serve['grpc']}")
+    grpc.channel_ready_future(channel).result(timeout=30)
+    yield {"stub": generation_pb2_grpc.GenerationStub(channel), "channel": channel, "config": config,
+           "verifier": serve.get_deployment_handle("Verifier", app_name="dflash"), "ports": ray_serve}
+    channel.close()
+    serve.delete("dflash")
+
+
+@pytest.fixture(scope="module")
+def embedded(model_pair):
+    target, drafter = model_pair
+    return build_engine(EngineConfig(target=target, drafter=drafter, device=DEVICE, num_kv_blocks=256))
+
+
+def _stream(stub, **request):
+    responses = list(stub.Generate(generation_pb2.GenerateRequest(**request), timeout=60))
+    return [t for r in responses for t in r.token_ids], "".join(r.text for r in responses), responses[-1]
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_p=0.9, seed=5)], ids=["greedy", "seeded"])
+def test_streamed_output_equals_the_embedded_engine(app, embedded, sampling):
+    prompt = "def main():\n    return"
+    ids, text, last = _stream(app["stub"], prompt=prompt, sampling=generation_pb2.SamplingParams(max_tokens=24, **sampling))
+    prompt_ids = embedded.tokenizer.encode(prompt)
+    reference = embedded.generate([prompt_ids], SamplingParams(max_tokens=24, **sampling))[0]
+    assert ids == reference.output_ids
+    assert last.finish_reason in (generation_pb2.FINISH_REASON_LENGTH, generation_pb2.FINISH_REASON_STOP)
+    assert last.usage.completion_tokens == len(ids) and last.usage.prompt_tokens == len(prompt_ids)
+    assert last.spec_stats.num_drafts > 0
+    assert sum(last.spec_stats.accepted_per_position) == last.spec_stats.num_accepted_tokens
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, fragment",
+    [
+        (dict(), "input"),
+        (dict(prompt="x", sampling=generation_pb2.SamplingParams(max_tokens=0)), "max_tokens"),
+        (dict(prompt="x", sampling=generation_pb2.SamplingParams(max_tokens=10**9)), "max_tokens must be <="),
+        (dict(token_ids=generation_pb2.TokenIds(ids=[5] * 1000)), "context"),
+        (dict(prompt="x", sampling=generation_pb2.SamplingParams(top_p=0.0)), "top_p"),
+        (dict(prompt="x", sampling=generation_pb2.SamplingParams(temperature=-1)), "temperature"),
+        (dict(prompt="x", sampling=generation_pb2.SamplingParams(top_p=1.5)), "top_p"),
+        (dict(prompt="x", sampling=generation_pb2.SamplingParams(top_k=-2)), "top_k"),
+        (dict(chat=generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(role="wizard", content="x")])),
+         "wizard"),
+    ],
+)
+def test_invalid_input_gets_invalid_argument_with_the_reason(app, request_kwargs, fragment):
+    with pytest.raises(grpc.RpcError) as err:
+        list(app["stub"].Generate(generation_pb2.GenerateRequest(**request_kwargs), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in err.value.details()
+
+
+def _verifier_stats(app):
+    return app["verifier"].stats.remote().result()
+
+
+def _drafter_stats(app):
+    import ray
+
+    return ray.get(ray.get_actor(_verifier_stats(app)["drafter_actor"]).stats.remote())
+
+
+def test_cancelling_mid_stream_frees_every_block_on_both_actors(app):
+    call = app["stub"].Generate(generation_pb2.GenerateRequest(
+        prompt="import os", sampling=generation_pb2.SamplingParams(max_tokens=400, ignore_eos=True)), timeout=60)
+    next(call)
+    next(call)
+    call.cancel()
+    stats = _wait(lambda: (s := _verifier_stats(app))["running"] == 0 and s["waiting"] == 0 and s, what="cancel")
+    assert stats["kv_free_blocks"] == stats["kv_blocks"]
+    _wait(lambda: _drafter_stats(app)["live_sequences"] == 0, what="the drafter to forget the sequence")
+
+
+def test_past_max_pending_requests_are_resource_exhausted_and_nothing_leaks(app):
+    long = generation_pb2.GenerateRequest(
+        prompt="import os", sampling=generation_pb2.SamplingParams(max_tokens=480, ignore_eos=True))
+    limit = app["config"].max_pending  # twice max_num_seqs: half of them wait in the engine
+    calls = [app["stub"].Generate(long, timeout=120) for _ in range(limit)]
+    try:
+        _wait(lambda: (s := _verifier_stats(app))["running"] + s["waiting"] == limit, what="all requests in flight")
+        with pytest.raises(grpc.RpcError) as err:
+            list(app["stub"].Generate(long, timeout=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "retry" in err.value.details()
+    finally:
+        for call in calls:
+            call.cancel()
+    stats = _wait(lambda: (s := _verifier_stats(app))["running"] == 0 and s["waiting"] == 0 and s, what="cancel")
+    assert stats["kv_free_blocks"] == stats["kv_blocks"]
+
+
+def test_a_passed_deadline_is_deadline_exceeded_and_frees_the_request(app):
+    call = app["stub"].Generate(generation_pb2.GenerateRequest(
+        prompt="import os", sampling=generation_pb2.SamplingParams(max_tokens=480, ignore_eos=True)), timeout=0.3)
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    stats = _wait(lambda: (s := _verifier_stats(app))["running"] == 0 and s["waiting"] == 0 and s, what="deadline")
+    assert stats["kv_free_blocks"] == stats["kv_blocks"]
+
+
+def test_killing_the_drafter_mid_stream_loses_nothing_and_stays_lossless(app, embedded):
+    import ray
+
+    prompt = "class A:\n    def f(self):"
+    sampling = generation_pb2.SamplingParams(max_tokens=60, ignore_eos=True)
+    call = app["stub"].Generate(generation_pb2.GenerateRequest(prompt=prompt, sampling=sampling), timeout=120)
+    first = [next(call)]
+    ray.kill(ray.get_actor(_verifier_stats(app)["drafter_actor"]), no_restart=False)
+    rest = list(call)
+    ids = [t for r in first + rest for t in r.token_ids]
+    reference = embedded.generate([embedded.tokenizer.encode(prompt)],
+                                  SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))[0]
+    assert ids == reference.output_ids
+    assert rest[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    assert _verifier_stats(app)["drafter_losses"] >= 1
+    _wait(lambda: _verifier_stats(app)["speculative"], what="the restarted drafter to be reattached")
+
+
+def test_counters_are_consistent(app):
+    _stream(app["stub"], prompt="for i in range(", sampling=generation_pb2.SamplingParams(max_tokens=20))
+
+    def scrape():
+        with urllib.request.urlopen(f"http://127.0.0.1:{app['ports']['metrics']}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("ray_dflash_spec_decode"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = values.get(name, 0.0) + float(value)
+        return values if any(k.startswith("ray_dflash_spec_decode_num_drafts_total") for k in values) else None
+
+    values = _wait(scrape, timeout=60, what="dflash metrics in the Ray scrape")
+
+    def total(prefix):
+        return sum(v for k, v in values.items() if k.startswith(prefix + "{") or k == prefix)
+
+    drafts = total("ray_dflash_spec_decode_num_drafts_total")
+    drafted = total("ray_dflash_spec_decode_num_draft_tokens_total")
+    accepted = total("ray_dflash_spec_decode_num_accepted_tokens_total")
+    per_pos = total("ray_dflash_spec_decode_num_accepted_tokens_per_pos_total")
+    assert drafts > 0 and 0 <= accepted <= drafted
+    assert per_pos == accepted
+
+
+def test_health_and_reflection_answer(app):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(app["channel"]).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    info = app["stub"].GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+    assert info.block_size == 6 and info.topology == "split" and info.vocab_size == 600
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(app["channel"])
+    replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    services = [s.name for r in replies for s in r.list_services_response.service]
+    assert "dflash.v1.Generation" in services

@@ -1,0 +1,36 @@
+"""A tiny served model pair on disk: a target with a trained tokenizer and a chat template, and a
+random DFlash drafter in the z-lab format; what the server and the load benchmark are tested with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.conftest import drafter_config, random_drafter
+from tests.targets import tiny_target
+from tests.tokenizer import train_tiny_tokenizer
+
+VOCAB = 600
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def save_tiny_pair(root: Path, *, block_size: int) -> tuple[str, str]:
+    """Writes root/target and root/drafter; returns their paths."""
+    from transformers import PreTrainedTokenizerFast
+
+    from services.models import save_drafter
+
+    target_dir, drafter_dir = root / "target", root / "drafter"
+    tiny_target("llama", layers=4, vocab=VOCAB, seed=21).save_pretrained(target_dir)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=train_tiny_tokenizer(VOCAB), eos_token="<eos>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(target_dir)
+    cfg = drafter_config(vocab_size=VOCAB, num_target_layers=4, num_hidden_layers=2, block_size=block_size,
+                         layer_types=["full_attention"] * 2,
+                         dflash_config={"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 2]})
+    save_drafter(random_drafter(cfg, seed=4, dtype=torch.float32), drafter_dir)
+    return str(target_dir), str(drafter_dir)
