@@ -1,0 +1,278 @@
+"""The chart, linted and rendered by the real Helm engine for the default values and every values
+file in helm/dflash-serve/examples/: the objects it makes and the fields operators rely on."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import tomllib
+
+import helm_python
+import pytest
+import yaml
+from google.protobuf import json_format
+
+from services.api.dflash.v1 import generation_pb2
+from services.app import GRPC_SERVICER_FUNCTIONS
+from services.config import ServeConfig
+from tests.helm.chart import (
+    CHART,
+    CONFIG_PATH,
+    NAMESPACE,
+    RELEASE,
+    REPO,
+    chart_values,
+    load_chart,
+    project_requirements,
+    render,
+)
+
+DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def containers(rendered):
+    return {group: template["spec"]["containers"][0] for group, template in rendered.pod_templates().items()}
+
+
+def env(container) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def test_lint_is_clean(values):
+    report = helm_python.lint(CHART, values, strict=True, namespace=NAMESPACE)
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # warnings and errors
+    assert not report["errors"] and not problems, report
+
+
+def test_renders_a_rayservice_with_new_cluster_upgrades(rendered):
+    service = rendered.rayservice
+    assert service["apiVersion"] == "ray.io/v1"
+    assert service["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
+    assert service["metadata"]["namespace"] == NAMESPACE
+
+
+def test_ray_version_is_the_one_pyproject_pins(rendered):
+    assert str(project_requirements()["ray"].specifier) == f"=={rendered.cluster['rayVersion']}"
+
+
+def test_the_image_tag_defaults_to_the_projects_version():
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    with load_chart() as chart:
+        assert chart.metadata["appVersion"] == version
+    image = render({}).pod_templates()["head"]["spec"]["containers"][0]["image"]
+    assert image == f"dflash-serve:{version}"
+
+
+def test_serve_config_runs_the_app_and_the_grpc_services_of_services_app(rendered, values):
+    ports = chart_values(values)["ports"]
+    serve = rendered.serve_config
+    assert serve["grpc_options"]["grpc_servicer_functions"] == GRPC_SERVICER_FUNCTIONS
+    assert serve["grpc_options"]["port"] == ports["grpc"]
+    assert serve["http_options"]["port"] == ports["http"]
+    (app,) = serve["applications"]
+    assert app["import_path"] == "services.app:app_from_env"
+    assert "args" not in app  # the config comes from the mounted file, one copy only
+
+
+def test_config_file_is_the_users_block_plus_the_ports(rendered, values):
+    merged = chart_values(values)
+    expected = {**merged["dflash"], "grpc_port": merged["ports"]["grpc"], "metrics_port": merged["ports"]["metrics"]}
+    assert yaml.safe_load(rendered.dflash_config_text) == expected
+    # Nothing is defaulted on the way: a key the user did not set is not in the file.
+    assert "max_pending" not in yaml.safe_load(render({}).dflash_config_text)
+
+
+def test_config_file_is_a_valid_serve_config(rendered, tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(rendered.dflash_config_text)
+    config = ServeConfig.from_yaml(str(path))  # strict: unknown keys and bad values raise
+    assert config.engine.device == "cuda"
+
+
+def test_every_ray_container_reads_the_mounted_config(rendered):
+    config_map = rendered.one("ConfigMap", "-config")
+    for group, template in rendered.pod_templates().items():
+        container = template["spec"]["containers"][0]
+        assert env(container)["DFLASH_CONFIG"] == CONFIG_PATH, group
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == CONFIG_PATH.rsplit("/", 1)[0]]
+        (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == mount["name"]]
+        assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    assert "config.yaml" in config_map["data"]
+
+
+def test_a_changed_config_changes_the_pod_templates():
+    """NewCluster rolls out a changed cluster spec; the config file alone would not change it."""
+    def checksums(values):
+        return {g: t["metadata"]["annotations"]["checksum/dflash-config"]
+                for g, t in render(values).pod_templates().items()}
+
+    base, changed = checksums({}), checksums({"dflash": {"max_pending": 64}})
+    assert len(set(base.values())) == 1 and checksums({}) == base
+    assert changed.keys() == base.keys() and set(changed.values()).isdisjoint(base.values())
+
+
+def test_ports_are_named_for_kuberay_and_prometheus(rendered, values):
+    ports = chart_values(values)["ports"]
+    for group, container in containers(rendered).items():
+        named = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert named["serve"] == ports["http"], group
+        assert named["serve-grpc"] == ports["grpc"], group
+        assert named["metrics"] == ports["metrics"], group
+        if group == "head":
+            assert named["dashboard"] == ports["dashboard"]
+    cluster = rendered.cluster
+    for start_params in [cluster["headGroupSpec"]["rayStartParams"], rendered.worker_group["rayStartParams"]]:
+        assert start_params["metrics-export-port"] == str(ports["metrics"])
+    # The head runs no replicas: routers and verifiers land on the GPU workers.
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+
+
+def test_gpu_workers_request_their_gpus_and_land_on_gpu_nodes(rendered, values):
+    workers = chart_values(values)["gpuWorkers"]
+    group = rendered.worker_group
+    assert group["groupName"] == workers["groupName"]
+    assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == workers["replicas"]
+    resources = group["template"]["spec"]["containers"][0]["resources"]
+    for kind in ("requests", "limits"):
+        assert resources[kind]["nvidia.com/gpu"] == str(workers["gpusPerPod"])
+        assert resources[kind]["cpu"] == workers["resources"][kind]["cpu"]
+    spec = group["template"]["spec"]
+    assert spec["tolerations"] == workers["tolerations"]
+    assert spec.get("nodeSelector", {}) == workers["nodeSelector"]
+    assert spec.get("runtimeClassName", "") == workers["runtimeClassName"]
+
+
+def test_security_defaults(rendered):
+    for group, template in rendered.pod_templates().items():
+        spec = template["spec"]
+        assert spec["automountServiceAccountToken"] is False
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] >= 10000
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        container = spec["containers"][0]
+        security = container["securityContext"]
+        assert security["allowPrivilegeEscalation"] is False
+        assert security["capabilities"] == {"drop": ["ALL"]}
+        assert security["readOnlyRootFilesystem"] is True
+        assert "/tmp" in {m["mountPath"] for m in container["volumeMounts"]}, "Ray's session dir needs a writable /tmp"
+        for kind in ("requests", "limits"):
+            assert {"cpu", "memory"} <= container["resources"][kind].keys(), (group, kind)
+
+
+def models_volume(rendered):
+    spec = rendered.worker_group["template"]["spec"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "models"]
+    (mount,) = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "models"]
+    return volume, mount, env(spec["containers"][0])
+
+
+def test_model_storage_from_the_hub_cache_with_a_token_secret():
+    rendered = render({"models": {"source": "hf", "hf": {"tokenSecret": {"name": "hf-token"}, "offline": True}}})
+    volume, mount, variables = models_volume(rendered)
+    claim = rendered.one("PersistentVolumeClaim")
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert mount["readOnly"] is False and variables["HF_HOME"] == mount["mountPath"]
+    assert variables["HF_HUB_OFFLINE"] == "1"
+    # The token is a file, never an environment variable.
+    assert "HF_TOKEN" not in variables
+    spec = rendered.worker_group["template"]["spec"]
+    (secret,) = [v for v in spec["volumes"] if v["name"] == "hf-token"]
+    assert secret["secret"] == {"secretName": "hf-token", "items": [{"key": "token", "path": "token"}]}
+    (token_mount,) = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "hf-token"]
+    assert variables["HF_TOKEN_PATH"] == f"{token_mount['mountPath']}/token"
+
+
+def test_model_storage_from_an_existing_claim():
+    rendered = render({"models": {"source": "pvc", "pvc": {"existingClaim": "llm-weights"}}})
+    volume, mount, variables = models_volume(rendered)
+    assert volume["persistentVolumeClaim"]["claimName"] == "llm-weights"
+    assert mount["readOnly"] is True and "HF_HOME" not in variables
+    assert not rendered.all("PersistentVolumeClaim")
+
+
+def test_model_storage_from_a_host_path():
+    rendered = render({"models": {"source": "hostPath", "hostPath": {"path": "/mnt/models"}}})
+    volume, mount, _ = models_volume(rendered)
+    assert volume["hostPath"] == {"path": "/mnt/models", "type": "Directory"}
+    assert mount["readOnly"] is True
+    assert not rendered.all("PersistentVolumeClaim")
+
+
+def test_one_dashboard_config_map_per_dashboard_for_the_grafana_sidecar(rendered, values):
+    dashboards = sorted((CHART / "dashboards").glob("*.json"))
+    maps = [m for m in rendered.all("ConfigMap") if "-dashboard-" in m["metadata"]["name"]]
+    assert len(maps) == len(dashboards) == 3
+    namespace = chart_values(values)["grafanaDashboards"]["namespace"] or NAMESPACE
+    for config_map, path in zip(sorted(maps, key=lambda m: m["metadata"]["name"]), dashboards, strict=True):
+        assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert config_map["metadata"]["namespace"] == namespace
+        assert json.loads(config_map["data"][path.name]) == json.loads(path.read_text())
+
+
+def test_dashboards_can_be_turned_off():
+    maps = render({"grafanaDashboards": {"enabled": False}}).all("ConfigMap")
+    assert [m["metadata"]["name"] for m in maps] == [f"{RELEASE}-config"]
+
+
+def pod_labels(rendered) -> list[dict]:
+    return [t["metadata"]["labels"] for t in rendered.pod_templates().values()]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return selector.items() <= labels.items()
+
+
+def test_no_monitor_unless_asked():
+    assert not render({}).all("PodMonitor") and not render({}).all("ServiceMonitor")
+
+
+def test_pod_monitor_scrapes_every_pods_metrics_port():
+    monitor_values = {"enabled": True, "kind": "PodMonitor", "labels": {"release": "prometheus"}}
+    rendered = render({"metrics": {"monitor": monitor_values}})
+    monitor = rendered.one("PodMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert all(selects(monitor["spec"]["selector"]["matchLabels"], labels) for labels in pod_labels(rendered))
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics"
+    cluster_label = {"sourceLabels": ["__meta_kubernetes_pod_label_ray_io_cluster"], "targetLabel": "ray_io_cluster"}
+    assert cluster_label in endpoint["relabelings"]
+
+
+def test_service_monitor_goes_through_a_headless_service_over_every_pod():
+    rendered = render({"metrics": {"monitor": {"enabled": True, "kind": "ServiceMonitor"}}})
+    monitor, service = rendered.one("ServiceMonitor"), rendered.one("Service", "-metrics")
+    assert service["spec"]["clusterIP"] == "None"
+    assert all(selects(service["spec"]["selector"], labels) for labels in pod_labels(rendered))
+    assert selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+    assert service["spec"]["ports"][0]["targetPort"] == "metrics"
+
+
+def test_release_names_become_rayservice_names_kuberay_accepts():
+    for release in ["dflash-serve", "prod", "a-very-long-release-name-for-the-speculative-llm-server"]:
+        name = render({}, release=release).rayservice["metadata"]["name"]
+        assert len(name) <= 47 and DNS_1035.match(name), name
+
+
+def test_a_target_model_is_required():
+    with pytest.raises(helm_python.HelmRenderError, match="dflash.engine.target: name the target model"):
+        render({"dflash": {"engine": {"target": ""}}})
+
+
+def test_notes_give_a_working_grpc_client_example(rendered, values):
+    ports = chart_values(values)["ports"]
+    name = rendered.rayservice["metadata"]["name"]
+    notes = rendered.notes
+    assert f"port-forward svc/{name}-serve-svc {ports['grpc']}:{ports['grpc']}" in notes
+    (grpcurl,) = [line.strip() for line in notes.splitlines() if line.strip().startswith("grpcurl")]
+    args = shlex.split(grpcurl)
+    request = json_format.Parse(args[args.index("-d") + 1], generation_pb2.GenerateRequest())
+    assert request.prompt and request.sampling.max_tokens > 0
+    assert args[-2] == f"127.0.0.1:{ports['grpc']}"
+    service, method = args[-1].split("/")
+    descriptor = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+    assert service == descriptor.full_name and method in descriptor.methods_by_name
+    (client,) = [line.strip() for line in notes.splitlines() if line.strip().startswith("dflash client")]
+    assert f"--address 127.0.0.1:{ports['grpc']}" in client
