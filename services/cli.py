@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 
@@ -46,9 +47,15 @@ def _generate(args: argparse.Namespace) -> int:
     from services.engine.loader import build_engine
     from services.engine.sampling import SamplingParams
     from services.models import CheckpointError, TargetLoadError
+    from services.models.default_pair import DefaultPairError, resolve_pair
 
+    try:
+        target, drafter = resolve_pair(args.target, args.drafter)
+    except DefaultPairError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     config = EngineConfig(
-        target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype, cuda_graphs=not args.eager
+        target=target, drafter=drafter, device=args.device, dtype=args.dtype, cuda_graphs=not args.eager
     )
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
@@ -79,11 +86,158 @@ def _generate(args: argparse.Namespace) -> int:
         return 1
     stats = last.stats
     print(f"-- {last.num_output_tokens} tokens, finish: {last.finish_reason.value}", file=sys.stderr)
-    if args.drafter:
+    if config.drafter:
         accepted = ", ".join(f"{c / stats.rounds:.2f}" for c in stats.accepted_per_position) if stats.rounds else "-"
         print(f"-- tau (mean accepted length incl. bonus) {stats.mean_acceptance_length:.2f} over {stats.rounds} rounds",
               file=sys.stderr)
         print(f"-- acceptance per draft position: {accepted}", file=sys.stderr)
+    return 0
+
+
+def _serve_config(args: argparse.Namespace):
+    from services.config import EngineConfig, ServeConfig
+    from services.models.default_pair import resolve_pair
+
+    if args.config:
+        return ServeConfig.from_yaml(args.config)
+    target, drafter = resolve_pair(args.target, args.drafter)
+    engine = EngineConfig(target=target, drafter=drafter, device=args.device, dtype=args.dtype)
+    topology = args.topology or ("split" if drafter else "colocated")
+    return ServeConfig(engine=engine, topology=topology, grpc_port=args.grpc_port, metrics_port=args.metrics_port)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from services.models.default_pair import DefaultPairError
+
+    try:
+        config = _serve_config(args)
+        config.validate()
+    except (ValueError, TypeError, DefaultPairError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from services.app import GRPC_SERVICER_FUNCTIONS, build_app
+
+    num_gpus = 1 if config.engine.device.startswith("cuda") else 0
+    ray.init(include_dashboard=False, num_gpus=num_gpus or None, _metrics_export_port=config.metrics_port)
+    serve.start(grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
+    serve.run(build_app(config), name="dflash", route_prefix="/")
+    print(f"dflash-serve is up: gRPC on 127.0.0.1:{config.grpc_port} (dflash.v1.Generation), "
+          f"metrics on http://127.0.0.1:{config.metrics_port}/metrics. Try: dflash client --prompt 'Hello'",
+          flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _client(args: argparse.Namespace) -> int:
+    import grpc
+
+    from services.client import stream_completion
+
+    sampling = {k: v for k, v in (("temperature", args.temperature), ("max_tokens", args.max_tokens),
+                                   ("top_p", args.top_p), ("top_k", args.top_k), ("seed", args.seed)) if v is not None}
+    request = {"chat": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+    last = None
+    try:
+        for response in stream_completion(args.address, sampling=sampling, timeout=args.timeout, **request):
+            print(response.text, end="", flush=True)
+            last = response
+    except grpc.RpcError as err:
+        print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    print()
+    if last is not None and last.HasField("spec_stats"):
+        stats = last.spec_stats
+        print(f"-- {last.usage.completion_tokens} tokens; tau {stats.mean_acceptance_length:.2f} over "
+              f"{stats.num_drafts} rounds", file=sys.stderr)
+    return 0
+
+
+def _fetch_default(args: argparse.Namespace) -> int:
+    from services.models.default_pair import DefaultPairError, default_drafter, fetch_default_target, target_dir
+
+    try:
+        folder = fetch_default_target(target_dir())
+    except DefaultPairError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"default target   {folder}")
+    try:
+        print(f"default drafter  {default_drafter()}")
+    except DefaultPairError as err:
+        print(f"default drafter  missing: {err}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import grpc
+
+    from services.bench.prompts import load_prompts
+    from services.bench.serve_bench import BenchSampling, EmbeddedBackend, GrpcBackend, run_bench, write_report
+    from services.models import CheckpointError, TargetLoadError
+    from services.models.default_pair import DefaultPairError
+
+    try:
+        concurrencies = [int(c) for c in args.concurrency.split(",")]
+        if min(concurrencies) < 1 or args.num_prompts < 1:
+            raise ValueError("--concurrency levels and --num-prompts must be positive")
+        if not args.embedded and (args.target or args.drafter):
+            raise ValueError("--target and --drafter go with --embedded; a server benchmarks the models it serves")
+        prompt_sets = {name: load_prompts(name, args.data_dir, args.num_prompts) for name in args.dataset.split(",")}
+        if args.embedded:
+            from services.config import EngineConfig
+            from services.engine.loader import build_engine
+            from services.models.default_pair import resolve_pair
+
+            target, drafter = resolve_pair(args.target, args.drafter)
+            engine = build_engine(EngineConfig(target=target, drafter=drafter, device=args.device, dtype=args.dtype,
+                                               max_num_seqs=max(concurrencies), cuda_graphs=not args.eager))
+            backend = EmbeddedBackend(engine)
+        else:
+            backend = GrpcBackend(args.address, timeout=args.timeout)
+        setup = backend.describe()
+    except (ValueError, CheckpointError, TargetLoadError, DefaultPairError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as err:
+        print(f"error: no dflash server answers at {args.address}: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 2
+    sampling = BenchSampling(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                             ignore_eos=args.ignore_eos)
+    runs = run_bench(backend, prompt_sets, concurrencies, sampling, warmup=args.warmup)
+    setup.update(datasets=list(prompt_sets), num_prompts=args.num_prompts, concurrency=concurrencies,
+                 warmup=args.warmup, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                 ignore_eos=args.ignore_eos)
+    paths = write_report(args.out, setup, runs)
+    print(paths[1].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from services.models import CheckpointError, TargetLoadError
+    from services.training import TrainConfig, train
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    for name in ("prompts", "target_layer_ids"):
+        if name in values:
+            values[name] = tuple(int(x) if name == "target_layer_ids" else x for x in values[name].split(","))
+    try:
+        train(TrainConfig(**values))
+    except (ValueError, CheckpointError, TargetLoadError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -97,8 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(run=_inspect)
 
     gen = sub.add_parser("generate", help="run the engine in-process on one prompt and print text and acceptance")
-    gen.add_argument("--target", required=True, help="target model folder or hub repo id")
-    gen.add_argument("--drafter", help="DFlash drafter folder or hub repo id (omit: target-only decoding)")
+    gen.add_argument("--target", help="target model folder or hub repo id (omit: the default SmolLM2-135M-Instruct)")
+    gen.add_argument("--drafter", help="DFlash drafter folder or hub repo id; 'none': target-only (omitted: the "
+                                       "default drafter without --target, target-only with it)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--max-tokens", type=int, default=256)
@@ -110,6 +265,110 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--eager", action="store_true", help="no CUDA graphs")
     gen.set_defaults(run=_generate)
+
+    srv = sub.add_parser("serve", help="run the gRPC service (router, verifier, drafter) on a local Ray")
+    srv.add_argument("--config", help="the YAML the Helm chart renders (engine, topology, ports, ...)")
+    srv.add_argument("--target", help="omit both --target and --drafter to serve the default pair")
+    srv.add_argument("--drafter", help="'none': target-only")
+    srv.add_argument("--topology", choices=["split", "colocated"])
+    srv.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    srv.add_argument("--dtype", default="auto")
+    srv.add_argument("--grpc-port", type=int, default=9000)
+    srv.add_argument("--metrics-port", type=int, default=8080)
+    srv.set_defaults(run=_serve)
+
+    cli = sub.add_parser("client", help="stream a completion from a running server")
+    cli.add_argument("--address", default="127.0.0.1:9000")
+    cli.add_argument("--prompt", required=True)
+    cli.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    cli.add_argument("--max-tokens", type=int)
+    cli.add_argument("--temperature", type=float)
+    cli.add_argument("--top-p", type=float)
+    cli.add_argument("--top-k", type=int)
+    cli.add_argument("--seed", type=int)
+    cli.add_argument("--timeout", type=float, default=300.0)
+    cli.set_defaults(run=_client)
+
+    fetch = sub.add_parser("fetch-default", help="obtain the default target (SmolLM2-135M-Instruct) once into "
+                                                 "$DFLASH_CACHE or ~/.cache/dflash-serve")
+    fetch.set_defaults(run=_fetch_default)
+
+    from services.bench.prompts import DEFAULT_DATA_DIR
+
+    bench = sub.add_parser("bench", help="load-test a server (or the embedded engine): tok/s, TTFT, TPOT, ITL, "
+                                         "tau and acceptance per concurrency level and prompt set")
+    where = bench.add_mutually_exclusive_group(required=True)
+    where.add_argument("--address", help="HOST:PORT of a dflash gRPC server")
+    where.add_argument("--embedded", action="store_true", help="run the engine in this process")
+    bench.add_argument("--target", help="--embedded: target (omit both --target and --drafter: the default pair)")
+    bench.add_argument("--drafter", help="--embedded: drafter; 'none': target-only")
+    bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    bench.add_argument("--dtype", default="auto")
+    bench.add_argument("--eager", action="store_true", help="--embedded: no CUDA graphs")
+    bench.add_argument("--dataset", default="humaneval,gsm8k",
+                       help="comma-separated: humaneval, gsm8k, math500, mbpp, alpaca, spec-bench, "
+                            "spec-bench/{translation,summarization,qa,math_reasoning,rag}")
+    bench.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    bench.add_argument("--num-prompts", type=int, default=32, help="per prompt set (cycled when the set is smaller)")
+    bench.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
+    bench.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each run")
+    bench.add_argument("--max-tokens", type=int, default=256)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--seed", type=int, help="request i gets seed + i")
+    bench.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    bench.add_argument("--timeout", type=float, default=600.0, help="per request, seconds (gRPC)")
+    bench.add_argument("--out", default="bench-results", help="folder for results.json, results.md, results.png")
+    bench.set_defaults(run=_bench)
+
+    trn = sub.add_parser("train", help="train a DFlash drafter for a target: regenerate answers with the target, "
+                                       "train, write a z-lab checkpoint (dflash-spec §4)")
+    trn.add_argument("--target", required=True, help="HF causal LM folder or hub repo id")
+    trn.add_argument("--output", required=True, help="folder for the checkpoint, training state, log and data")
+    trn.add_argument("--stage", choices=["all", "data", "train"], help="data: only regenerate answers; "
+                     "train: only train on the answers already there; all (default): both")
+    data = trn.add_argument_group("data")
+    data.add_argument("--prompts", help="comma-separated prompt sets, NAME, NAME:COUNT or NAME[START:STOP] each: sharegpt, stdlib, gsm8k, "
+                                        "mbpp, humaneval, math500, alpaca, spec-bench, or a .jsonl file with 'prompt' "
+                                        "(default sharegpt,gsm8k,mbpp)")
+    data.add_argument("--data-dir", help="the bench-data folder (default ../shared/bench-data)")
+    data.add_argument("--answers", help="the regenerated answers, JSON lines (default OUTPUT/answers.jsonl)")
+    data.add_argument("--max-new-tokens", type=int, help="answer length cap when regenerating (default 512)")
+    data.add_argument("--gen-temperature", type=float, help="0 (default): greedy answers, as greedy serving sees")
+    data.add_argument("--gen-batch", type=int, help="sequences decoded at once (default 256)")
+    data.add_argument("--samples-per-prompt", type=int, help="answers per prompt (default 1); more need "
+                      "--gen-temperature > 0, and a greedy run's answers count as each prompt's first")
+    data.add_argument("--gen-max-minutes", type=float, help="stop regenerating after this long; run again to finish")
+    model = trn.add_argument_group("drafter (a resumed run keeps its own)")
+    model.add_argument("--block-size", type=int, help="default 16")
+    model.add_argument("--num-layers", type=int, help="draft layers (default 2)")
+    model.add_argument("--num-features", type=int, help="target layers fed to the drafter (default: --num-layers)")
+    model.add_argument("--target-layer-ids", help="comma-separated; default: the spec's rule for --num-features")
+    model.add_argument("--intermediate-size", type=int, help="MLP width (default: the target's)")
+    model.add_argument("--mask-token-id", type=int, help="default: an unused embedding row or spare special token")
+    opt = trn.add_argument_group("optimisation")
+    opt.add_argument("--gamma", type=float, help="position-weight decay (default 7 for B=16, 5 for B=10, 4 for B=8)")
+    opt.add_argument("--lr", type=float, help="peak AdamW learning rate (default 6e-4)")
+    opt.add_argument("--warmup-ratio", type=float, help="default 0.04, then cosine to 0")
+    opt.add_argument("--grad-clip", type=float, help="default 1.0")
+    opt.add_argument("--anchors", type=int, help="blocks per sequence, re-drawn every epoch (default 64)")
+    opt.add_argument("--max-seq-len", type=int, help="prompt + answer tokens (default 2048)")
+    opt.add_argument("--batch-size", type=int, help="sequences per step (default 16)")
+    opt.add_argument("--epochs", type=float, help="default 6")
+    opt.add_argument("--max-minutes", type=float, help="training-time budget; the schedule ends at whichever of "
+                                                        "epochs or time runs out first")
+    opt.add_argument("--stop-after-steps", type=int, help="end this invocation after N steps; --resume continues")
+    ev = trn.add_argument_group("held-out tau (the saved checkpoint driving the engine, greedy)")
+    ev.add_argument("--eval-every", type=int, help="steps between checkpoint + tau (default 500; 0: at the end)")
+    ev.add_argument("--eval-prompts", type=int, help="how many prompts (default 32)")
+    ev.add_argument("--eval-set", help="a prompt set to measure on (e.g. humaneval); default: prompts held out "
+                                       "from the training data")
+    ev.add_argument("--eval-max-tokens", type=int, help="default 256")
+    trn.add_argument("--resume", action="store_true", help="continue the run in --output (its saved settings win)")
+    trn.add_argument("--seed", type=int)
+    trn.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    trn.add_argument("--dtype", choices=["auto", "bfloat16", "float32"],
+                     help="auto (default): bf16 autocast on GPU, float32 on CPU")
+    trn.set_defaults(run=_train)
     return parser
 
 

@@ -32,6 +32,9 @@ def ray_serve():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+    # Serve kills a proxy not ready in 5 s; a loaded 2-core machine can take longer to start one.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")
+    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions, HTTPOptions
