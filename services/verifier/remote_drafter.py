@@ -1,8 +1,9 @@
 """A `Proposer` whose drafter lives in another process, reached over a frame channel.
 
 Feature rows go into a shared ring (opened once by the drafter) and only their handle travels.
-Injections are sent without waiting; the reply to the next draft request drains them, so a step
-costs one round trip. Any channel failure, timeout or drafter error raises `ProposerLost`: the
+The last injection rides on the next draft request (one frame, one reply per round: the drafter
+injects, then drafts); an injection that meets another still waiting is sent on its own, without
+waiting, and the reply to the next draft request drains both. Any channel failure, timeout or drafter error raises `ProposerLost`: the
 engine then decodes target-only until a new drafter is attached.
 """
 
@@ -31,8 +32,9 @@ class RemoteProposer:
         self.timeout = timeout
         self._step = 0
         self._unanswered = 0  # requests sent whose replies are not read yet
-        # Per draft request: time waited beyond the drafter's own time on that step: the channel,
-        # framing, and injections the drafter was still doing when the request came.
+        self._pending: drafter_pb2.StepRequest | None = None  # an injection not sent yet
+        # Per draft request: time waited beyond the drafter's own time on that step (its injection
+        # included): the channel, framing, and earlier injections it was still doing.
         self._transport_seconds: collections.deque[float] = collections.deque(maxlen=4096)
         self.draft_seconds: collections.deque[float] = collections.deque(maxlen=4096)  # the drafter's, per request
 
@@ -74,16 +76,21 @@ class RemoteProposer:
         if rows == 0:
             return
         if not self.ring.can_write(rows):
+            self._send_pending()
             self._drain()  # once the drafter has answered, every row is read and the ring may wrap
         handle = self.ring.write(features)
-        self._send(drafter_pb2.StepRequest(features=handle, positions=positions.tolist(), slots=slots.tolist()))
+        self._send_pending()  # injections reach the drafter in the order they were made
+        self._pending = drafter_pb2.StepRequest(features=handle, positions=positions.tolist(), slots=slots.tolist())
 
     def propose_host(self, request_ids: list[str], bonus: list[int], starts: list[int],
                      tables: list[list[int]]) -> torch.Tensor:
         """Drafts [n, block-1] (on the CPU) for the tokens after each bonus token."""
-        self._send(drafter_pb2.StepRequest(
-            request_ids=request_ids, bonus_tokens=bonus, starts=starts,
-            block_tables=[drafter_pb2.BlockTable(blocks=t) for t in tables]))
+        step, self._pending = self._pending or drafter_pb2.StepRequest(), None
+        step.request_ids.extend(request_ids)
+        step.bonus_tokens.extend(bonus)
+        step.starts.extend(starts)
+        step.block_tables.extend(drafter_pb2.BlockTable(blocks=t) for t in tables)
+        self._send(step)
         t0 = time.perf_counter()
         result = self._drain()
         self._transport_seconds.append(time.perf_counter() - t0 - result.draft_seconds)
@@ -106,6 +113,11 @@ class RemoteProposer:
 
     def close(self) -> None:
         self.channel.close()
+
+    def _send_pending(self) -> None:
+        if self._pending is not None:
+            step, self._pending = self._pending, None
+            self._send(step)
 
     def _send(self, step: drafter_pb2.StepRequest) -> None:
         self._step += 1

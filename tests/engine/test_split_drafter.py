@@ -1,5 +1,5 @@
 """The split topology without Ray: a DrafterServer in a thread, the engine with a RemoteProposer
-over the real frame channel and shared buffers. Lossless, one round trip per step, and a lost
+over the real frame channel and shared buffers. Lossless, one frame per round, and a lost
 drafter means target-only decoding, not failed requests."""
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def test_remote_drafter_matches_local_drafter_and_plain_greedy(pair):
         assert b.output_ids == a.output_ids == hf_greedy(target, prompt, 30)
         assert b.stats.accepted_per_position == a.stats.accepted_per_position  # the same drafts, remotely
     assert server.stats()["live_sequences"] == 0  # every finished sequence was released
+    # One frame per round: each round's feature rows ride on its draft request.
+    assert server.stats()["steps"] == len(proposer.draft_seconds) > 0
     assert engine.allocator.num_free == engine.allocator.num_blocks
     proposer.close()
     for buffer in shared:
