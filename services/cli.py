@@ -327,8 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("--stage", choices=["all", "data", "train"], help="data: only regenerate answers; "
                      "train: only train on the answers already there; all (default): both")
     data = trn.add_argument_group("data")
-    data.add_argument("--prompts", help="comma-separated prompt sets, NAME, NAME:COUNT or NAME[START:STOP] each: sharegpt, stdlib, gsm8k, "
-                                        "mbpp, humaneval, math500, alpaca, spec-bench, or a .jsonl file with 'prompt' "
+    data.add_argument("--prompts", help="comma-separated prompt sets, NAME, NAME:COUNT or NAME[START:STOP] each: sharegpt, stdlib, sitepackages, "
+                                        "gsm8k, mbpp, humaneval, math500, alpaca, spec-bench, or a .jsonl file with 'prompt' "
                                         "(default sharegpt,gsm8k,mbpp)")
     data.add_argument("--data-dir", help="the bench-data folder (default ../shared/bench-data)")
     data.add_argument("--answers", help="the regenerated answers, JSON lines (default OUTPUT/answers.jsonl)")

@@ -16,6 +16,7 @@ import math
 import random
 import time
 import zlib
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,20 +88,35 @@ def regenerate(target: TargetModel, tokenizer, prompts: list[Prompt], path: Path
         max_prefill_tokens=max(8192, max_seq_len), max_model_len=max_seq_len, cuda_graphs=device.type == "cuda",
     )
     engine = assemble_engine(config, target, None, eos_token_ids=eos_token_ids)  # no tokenizer: ids in, ids out
-    for key, ids in todo:
-        params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
-                                seed=(seed ^ zlib.crc32(key.encode())) if temperature > 0 else None)
-        engine.add_request(ids, params, request_id=key)
+    pending = deque(todo)
+    in_flight = 0
+    refill_below = max(1, config.max_num_seqs * 3 // 4)
+
+    def refill() -> int:
+        """Admit prompts in waves, not one per finished answer: each admission costs a prefill
+        forward (eager, launch-bound for a small target), so one per wave keeps the decode batch
+        large and the prefills few."""
+        added = 0
+        while pending and in_flight + added < config.max_num_seqs:
+            key, ids = pending.popleft()
+            params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
+                                    seed=(seed ^ zlib.crc32(key.encode())) if temperature > 0 else None)
+            engine.add_request(ids, params, request_id=key)
+            added += 1
+        return added
 
     path.parent.mkdir(parents=True, exist_ok=True)
     _drop_cut_off_line(path)  # its prompt is in `todo` again
     deadline = time.monotonic() + max_minutes * 60 if max_minutes else math.inf
     start, written, tokens = time.monotonic(), 0, 0
     with open(path, "a") as out, tqdm(total=len(todo), desc="regenerating responses", unit="prompt") as bar:
-        while engine.has_unfinished() and time.monotonic() < deadline:
+        while (pending or in_flight) and time.monotonic() < deadline:
+            if in_flight < refill_below:
+                in_flight += refill()
             for output in engine.step():
                 if not output.finished:
                     continue
+                in_flight -= 1
                 seq = engine.release(output.request_id)
                 if output.error:
                     tqdm.write(f"skipped {output.request_id}: {output.error}")
@@ -112,7 +128,7 @@ def regenerate(target: TargetModel, tokenizer, prompts: list[Prompt], path: Path
                 tokens += len(seq.output_ids)
                 bar.update(1)
                 bar.set_postfix(tok_s=f"{tokens / (time.monotonic() - start):.0f}")
-    if engine.has_unfinished():
+    if pending or in_flight:
         print(f"stopped after {max_minutes} min with {len(todo) - written} prompts left; run again to finish them")
     return written
 

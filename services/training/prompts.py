@@ -2,10 +2,10 @@
 
 A prompt-set spec is `NAME`, `NAME:COUNT` (the first COUNT prompts of the set) or `NAME[START:STOP]`
 (a slice, either end optional: `gsm8k[64:]` keeps the prompts a benchmark's first 64 use out of
-training). NAME is a
-benchmark set of `services.bench.prompts` (humaneval, gsm8k, math500, mbpp, alpaca, spec-bench,
-read from the bench-data folder), one of the training-only sets below (sharegpt, stdlib), or a
-path to a .jsonl / .jsonl.gz file with a "prompt" string per line. Every prompt has a stable key
+training). NAME is a benchmark set of `services.bench.prompts` (humaneval, gsm8k, math500, mbpp,
+alpaca, spec-bench, read from the bench-data folder), one of the training-only sets below
+(sharegpt, stdlib, sitepackages), or a path to a .jsonl / .jsonl.gz file with a "prompt" string
+per line. Every prompt has a stable key
 ("<set>/<id>"), so an interrupted data generation resumes with the prompts still missing.
 """
 
@@ -16,6 +16,8 @@ import gzip
 import json
 import re
 import sysconfig
+import textwrap
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,8 @@ from pathlib import Path
 from services.bench import prompts as bench
 
 STDLIB_SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "__pycache__"}
+PACKAGE_SKIP = {"test", "tests", "testing", "_vendor", "vendored", "__pycache__"}
+MIN_LATER_TURN_CHARS = 32
 
 
 @dataclass(frozen=True)
@@ -39,35 +43,52 @@ def _jsonl(path: Path) -> Iterator[dict]:
 
 
 def _sharegpt(data_dir: Path) -> Iterator[tuple[str, str]]:
-    """The first human turn of each conversation (the answers come from the target, not ShareGPT)."""
+    """Every human turn of each conversation, as a prompt of its own (the answers come from the
+    target, not ShareGPT); later turns that are too short to stand alone ("continue") are left out."""
     for row in _jsonl(data_dir / "sharegpt_sample4k.jsonl.gz"):
         turns = [t["value"] for t in row.get("conversations", []) if t.get("from") == "human"]
-        if turns:
-            yield row["id"], turns[0]
+        for i, turn in enumerate(turns):
+            if i == 0 or len(turn.strip()) >= MIN_LATER_TURN_CHARS:
+                yield (row["id"] if i == 0 else f"{row['id']}:{i}"), turn
 
 
-def _stdlib(data_dir: Path) -> Iterator[tuple[str, str]]:
-    """HumanEval-shaped tasks from the running Python's standard library: every public top-level
-    function with a real docstring, cut right after the docstring, in HumanEval's prompt format."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+def _python_tasks(root: Path, skip: set[str]) -> Iterator[tuple[str, str]]:
+    """HumanEval-shaped tasks from the Python sources under `root`: every public function and
+    public method of a public class with a real docstring, cut right after the docstring."""
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root)
-        if STDLIB_SKIP & set(relative.parts):
+        if skip & set(relative.parts):
             continue
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
+        except (SyntaxError, UnicodeDecodeError, ValueError, RecursionError):
             continue
         lines = source.splitlines()
         for node in tree.body:
-            doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
-            if doc and len(doc) >= 40 and not node.name.startswith("_") and len(node.body) > 1:
-                head = "\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])
-                yield f"{relative}:{node.name}", bench.HUMANEVAL_TEMPLATE.format(head)
+            candidates = [(node.name, node)] if isinstance(node, ast.FunctionDef) else []
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                candidates = [(f"{node.name}.{m.name}", m) for m in node.body if isinstance(m, ast.FunctionDef)]
+            for name, fn in candidates:
+                doc = ast.get_docstring(fn)
+                if doc and len(doc) >= 40 and not fn.name.startswith("_") and len(fn.body) > 1:
+                    head = textwrap.dedent("\n".join(lines[fn.lineno - 1 : fn.body[0].end_lineno]))
+                    yield f"{relative}:{name}", bench.HUMANEVAL_TEMPLATE.format(head)
 
 
-TRAINING_SETS = {"sharegpt": _sharegpt, "stdlib": _stdlib}
+def _stdlib(data_dir: Path) -> Iterator[tuple[str, str]]:
+    """Tasks from the running Python's standard library."""
+    return _python_tasks(Path(sysconfig.get_paths()["stdlib"]), STDLIB_SKIP)
+
+
+def _sitepackages(data_dir: Path) -> Iterator[tuple[str, str]]:
+    """Tasks from the installed third-party packages (what they are depends on the machine), in
+    an order fixed by their keys' hashes, so that `sitepackages:N` spreads over every package."""
+    tasks = _python_tasks(Path(sysconfig.get_paths()["purelib"]), PACKAGE_SKIP)
+    return iter(sorted(tasks, key=lambda task: (zlib.crc32(task[0].encode()), task[0])))
+
+
+TRAINING_SETS = {"sharegpt": _sharegpt, "stdlib": _stdlib, "sitepackages": _sitepackages}
 
 
 def _prompt_set(name: str, data_dir: Path) -> Iterator[tuple[str, str]]:

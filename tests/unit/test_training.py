@@ -4,6 +4,7 @@ engine, end to end through the CLI."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import random
@@ -21,7 +22,7 @@ from services.models import DFlashDraftConfig, DFlashDraftModel, DraftContext, T
 from services.training import TrainConfig, train
 from services.training.blocks import block_attention_mask, block_labels, block_loss, draft_blocks
 from services.training.dataset import AnchorBatch, Record, TrainingSet, read_records
-from services.training.prompts import load_prompts
+from services.training.prompts import _python_tasks, load_prompts
 from services.training.trainer import choose_mask_token_id, trainable_drafter
 from tests.conftest import drafter_config, random_drafter
 from tests.engine.harness import build_engine, hf_greedy
@@ -306,8 +307,10 @@ def test_cli_regenerates_trains_and_writes_a_checkpoint_the_engine_serves(chat_t
             "--prompts", str(chat_target / "prompts.jsonl"),
             "--max-new-tokens", "12", "--max-seq-len", "96", "--block-size", "4", "--num-layers", "1",
             "--num-features", "2", "--batch-size", "4", "--anchors", "4", "--epochs", "2", "--eval-every", "2",
-            "--eval-prompts", "2", "--eval-max-tokens", "10", "--device", "cpu"]
+            "--eval-prompts", "2", "--eval-max-tokens", "10", "--device", "cpu",
+            "--gen-batch", "3"]  # 10 prompts admitted in waves
     assert main([*args, "--stage", "data"]) == 0
+    assert len(read_records(out / "answers.jsonl")) == 10
     answers = out / "answers.jsonl"
     complete = answers.read_text().splitlines(keepends=True)
     answers.write_text("".join(complete[:6]) + complete[6][:20])  # generation cut off while writing line 7
@@ -376,6 +379,38 @@ def test_prompt_specs_limit_and_keep_stable_keys(tmp_path):
     for p in prompts[2:]:  # HumanEval-shaped tasks cut from the standard library, right after the docstring
         assert p.key.startswith("stdlib/") and p.text.count("```") == 2
         assert "\ndef " in p.text and p.text.rstrip("`\n").rstrip().endswith(('"""', "'''"))
+
+
+def test_python_tasks_take_public_functions_and_methods_cut_after_the_docstring(tmp_path):
+    doc = '"""' + "Return the thing, documented at length enough to count as a real docstring." + '"""'
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(
+        f"def top(x):\n    {doc}\n    return x\n\n"
+        f"def _private(x):\n    {doc}\n    return x\n\n"
+        f"def short(x):\n    {doc}\n\n"  # nothing after the docstring: nothing to learn
+        f"class Thing:\n    def method(self):\n        {doc}\n        return 1\n\n"
+        f"    def _hidden(self):\n        {doc}\n        return 2\n\n"
+        f"class _Private:\n    def method(self):\n        {doc}\n        return 3\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_mod.py").write_text(f"def test_it():\n    {doc}\n    pass\n")
+    (tmp_path / "broken.py").write_text("def (:\n")
+    tasks = dict(_python_tasks(tmp_path, {"tests"}))
+    assert sorted(tasks) == ["pkg/mod.py:Thing.method", "pkg/mod.py:top"]
+    method = tasks["pkg/mod.py:Thing.method"]
+    assert "\ndef method(self):\n    " in method and "return 1" not in method  # dedented, cut after the docstring
+
+
+def test_sharegpt_prompts_are_every_human_turn_that_stands_alone(tmp_path):
+    rows = [{"id": "a", "conversations": [
+        {"from": "human", "value": "first question"}, {"from": "gpt", "value": "answer"},
+        {"from": "human", "value": "continue"},
+        {"from": "human", "value": "a later question, long enough to be asked on its own"}]},
+            {"id": "b", "conversations": []}]
+    with gzip.open(tmp_path / "sharegpt_sample4k.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = load_prompts(["sharegpt"], tmp_path)
+    assert [(p.key, p.text) for p in prompts] == [
+        ("sharegpt/a", "first question"), ("sharegpt/a:2", "a later question, long enough to be asked on its own")]
 
 
 def test_mask_token_is_a_spare_row_or_a_special_token_chat_never_uses():
