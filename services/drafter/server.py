@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from services.api.dflash.v1 import drafter_pb2
-from services.engine.cuda_graphs import RoundGraphs
+from services.engine.cuda_graphs import InjectionGraphs, RoundGraphs
 from services.engine.draft_runner import DraftRunner
 from services.engine.kv_cache import AttentionBatch, KVPool
 from services.models import DFlashDraftModel, load_drafter
@@ -66,13 +66,19 @@ class DrafterSession:
         pool = KVPool.allocate(layers, hello.num_kv_blocks, hello.kv_block_size, heads, dim, drafter.dtype, drafter.device)
         self.kv_block_size = hello.kv_block_size
         self.runner = DraftRunner(drafter, head, pool)
-        self.graphs = None
+        self.graphs = self.injection = None
         if hello.graph_batch_sizes and drafter.device.type == "cuda":
             # At batch 1 an eager draft forward spends most of its time launching kernels.
             self.graphs = RoundGraphs(None, self.runner, block=cfg.block_size, kv_block_size=hello.kv_block_size,
                                       max_blocks=hello.max_blocks_per_sequence,
                                       scratch_blocks=list(hello.scratch_blocks),
                                       buckets=tuple(hello.graph_batch_sizes))
+            # A round injects 1..B rows per sequence: buckets of 16, 32, … up to a full batch's.
+            top = self.graphs.max_batch * cfg.block_size
+            self.injection = InjectionGraphs(
+                self.runner, self.features.shape[1], self.features.dtype,
+                scratch_slot=hello.scratch_blocks[0] * hello.kv_block_size,
+                buckets=tuple(16 << i for i in range(max(1, top // 16).bit_length())))
         self.live: set[str] = set()
         self.steps = 0
 
@@ -81,9 +87,12 @@ class DrafterSession:
         device = self.runner.drafter.device
         if req.features.rows:
             rows = read_rows(self.features, req.features).to(device)
-            positions = torch.tensor(req.positions, dtype=torch.long, device=device)
-            slots = torch.tensor(req.slots, dtype=torch.long, device=device)
-            self.runner.inject_context(rows, positions, slots)
+            if self.injection is not None:
+                self.injection.inject(rows, list(req.positions), list(req.slots))
+            else:
+                positions = torch.tensor(req.positions, dtype=torch.long, device=device)
+                slots = torch.tensor(req.slots, dtype=torch.long, device=device)
+                self.runner.inject_context(rows, positions, slots)
             if rows.is_cuda and not req.request_ids:
                 # The reply lets the verifier reuse these ring rows; the copy into KV must be done by then.
                 torch.cuda.current_stream(device).synchronize()

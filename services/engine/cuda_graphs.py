@@ -13,6 +13,7 @@ blocks, so their writes never touch a real sequence's KV.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,9 @@ class _Bucket:
     slots: torch.Tensor | None = None
     draft_graph: torch.cuda.CUDAGraph | None = None
     verify_graph: torch.cuda.CUDAGraph | None = None
+    host_ids: torch.Tensor | None = None  # pinned [2, n]: bonus, starts
+    host_tables: torch.Tensor | None = None  # pinned [n, max_blocks]
+    staged: torch.cuda.Event | None = None
 
 
 class RoundGraphs:
@@ -102,6 +106,9 @@ class RoundGraphs:
             starts=torch.zeros(size, dtype=torch.long, device=device),
             block_tables=self.scratch_row.to(device).repeat(size, 1),
             drafts=torch.zeros(size, self.block - 1, dtype=torch.long, device=device) if self.external_drafts else None,
+            host_ids=torch.zeros(2, size, dtype=torch.long).pin_memory(),
+            host_tables=self.scratch_row.repeat(size, 1).pin_memory(),
+            staged=torch.cuda.Event(),
         )
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -137,15 +144,26 @@ class RoundGraphs:
 
     def load(self, bonus: list[int], starts: list[int], tables: list[list[int]]) -> _Bucket:
         """Copy one round's inputs into the smallest bucket that holds them; padding rows point
-        at the scratch blocks."""
+        at the scratch blocks. One pinned staging buffer per bucket, one copy per buffer: at
+        batch 1 a round is ~10 ms, and pageable per-row copies cost a few percent of it."""
         bucket = self.bucket_for(len(bonus))
-        pad = bucket.size - len(bonus)
-        host_tables = self.scratch_row.repeat(bucket.size, 1)
-        for i, table in enumerate(tables):
-            host_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        bucket.bonus.copy_(torch.tensor(bonus + [0] * pad), non_blocking=True)
-        bucket.starts.copy_(torch.tensor(starts + [0] * pad), non_blocking=True)
+        n = len(bonus)
+        bucket.staged.synchronize()  # the last copy out of this bucket's staging buffers is done
+        ids, host_tables = bucket.host_ids, bucket.host_tables
+        ids[0, :n] = torch.tensor(bonus)
+        ids[1, :n] = torch.tensor(starts)
+        ids[:, n:] = 0
+        # Each table's blocks, then scratch: a handful of tensor ops whatever the batch (a row
+        # per sequence, padded in Python to max_blocks, costs milliseconds at batch 32).
+        lengths = torch.tensor([len(t) for t in tables])
+        rows = torch.repeat_interleave(torch.arange(n), lengths)
+        cols = torch.arange(len(rows)) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+        host_tables[:] = self.scratch_row
+        host_tables[rows, cols] = torch.tensor(list(itertools.chain.from_iterable(tables)), dtype=torch.int32)
+        bucket.bonus.copy_(ids[0], non_blocking=True)
+        bucket.starts.copy_(ids[1], non_blocking=True)
         bucket.block_tables.copy_(host_tables, non_blocking=True)
+        bucket.staged.record()
         return bucket
 
     def load_drafts(self, bucket: _Bucket, drafts: torch.Tensor) -> torch.Tensor:
@@ -159,3 +177,63 @@ class RoundGraphs:
 
     def verify(self, bucket: _Bucket) -> None:
         bucket.verify_graph.replay()
+
+
+class InjectionGraphs:
+    """CUDA graphs for a drafter's context injection, for a drafter serving another process.
+
+    In-process, the eager injection overlaps the host's next work; a drafter in its own process
+    must inject and then draft before it can answer, so the injection's ~10 launches sit on every
+    round's critical path. A round injects one to `block` rows per sequence, so graphs are
+    captured for row-count buckets: the rows are copied into a static buffer, positions and slots
+    arrive in one host-to-device copy, and padding rows write into a scratch slot.
+    """
+
+    def __init__(self, runner: DraftRunner, width: int, dtype: torch.dtype, *, scratch_slot: int,
+                 buckets: tuple[int, ...]):
+        self.runner = runner
+        self.device = runner.drafter.device
+        self.buckets = sorted(buckets)
+        self.scratch_slot = scratch_slot
+        top = self.buckets[-1]
+        self.rows = torch.zeros(top, width, dtype=dtype, device=self.device)
+        self.index = torch.zeros(2, top, dtype=torch.long, device=self.device)  # positions, slots
+        self._staging = torch.zeros(2, top, dtype=torch.long).pin_memory()
+        self._staged = torch.cuda.Event()  # the last copy out of the staging buffer
+        self._pool = torch.cuda.graph_pool_handle()
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.index[1] = scratch_slot
+        for size in reversed(self.buckets):
+            self._graphs[size] = self._capture(size)
+
+    def _inject(self, size: int) -> None:
+        self.runner.inject_context(self.rows[:size], self.index[0, :size], self.index[1, :size])
+
+    def _capture(self, size: int) -> torch.cuda.CUDAGraph:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up compiles the Triton kernel outside capture
+            self._inject(size)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._inject(size)
+        return graph
+
+    def inject(self, rows: torch.Tensor, positions: list[int], slots: list[int]) -> None:
+        """Inject `rows` [T, width] at `positions`/`slots`: a graph replay when T fits a bucket."""
+        count = rows.shape[0]
+        if count > self.buckets[-1]:  # a prefill's rows: rare, and long enough to amortise launches
+            index = torch.tensor([positions, slots], dtype=torch.long, device=self.device)
+            self.runner.inject_context(rows, index[0], index[1])
+            return
+        size = next(b for b in self.buckets if b >= count)
+        self.rows[:count].copy_(rows)
+        self._staged.synchronize()  # the staging buffer is refilled only once its last copy is done
+        self._staging[0, :count] = torch.tensor(positions, dtype=torch.long)
+        self._staging[1, :count] = torch.tensor(slots, dtype=torch.long)
+        self._staging[0, count:size] = 0
+        self._staging[1, count:size] = self.scratch_slot
+        self.index[:, :size].copy_(self._staging[:, :size], non_blocking=True)
+        self._staged.record()
+        self._graphs[size].replay()

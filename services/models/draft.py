@@ -236,7 +236,9 @@ class DFlashDraftModel(nn.Module):
     def logits(self, target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits through the target's LM head; the drafter's own multiplier and softcap
         apply when its config states them, else the target's softcap (Gemma)."""
-        logits = target.lm_head(hidden.to(target.dtype))
+        # hidden is a strided slice (the block minus its bonus row): cuBLAS takes a path ~10x slower
+        # for it than for the contiguous copy (9.2 vs 0.8 ms at 32x15 rows into a 152k vocabulary, H200).
+        logits = target.lm_head(hidden.to(target.dtype).contiguous())
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping or target.final_logit_softcapping

@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from services.config import EngineConfig
+from services.engine.cuda_graphs import InjectionGraphs
+from services.engine.draft_runner import DraftRunner
+from services.engine.kv_cache import KVPool
 from services.engine.loader import assemble_engine
 from services.engine.sampling import SamplingParams
 from services.models import TargetModel
@@ -111,3 +114,28 @@ def test_split_drafter_over_cuda_ipc_matches_the_colocated_engine(graphs, tmp_pa
     process.terminate()
     for buffer in shared:
         buffer.close()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40])  # 40: more than the largest bucket, eager
+def test_injection_graphs_write_what_the_eager_injection_writes(rows):
+    model = tiny_target("qwen3", layers=4, vocab=V, seed=7).float().cuda()
+    cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
+                         layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
+    drafter = random_drafter(cfg, seed=3, dtype=torch.float32).cuda()
+    target = TargetModel(model, drafter.config.target_layer_ids)
+    layers, heads, dim = DraftRunner.kv_shape(drafter.config)
+    pools = [KVPool.allocate(layers, 16, 16, heads, dim, torch.float32, "cuda") for _ in range(2)]
+    eager, graphed = (DraftRunner(drafter, target, pool) for pool in pools)
+    scratch_block = 15
+    graphs = InjectionGraphs(graphed, 2 * 32, torch.float32, scratch_slot=scratch_block * 16, buckets=(16, 32))
+    generator = torch.Generator().manual_seed(rows)
+    for round_ in range(3):  # rounds of different sizes reuse the static buffers
+        count = max(1, rows - round_)
+        features = torch.randn(count, 2 * 32, generator=generator).cuda()
+        positions = torch.randperm(200, generator=generator)[:count]
+        slots = torch.randperm(15 * 16, generator=generator)[:count]  # never the scratch block
+        eager.inject_context(features, positions.cuda(), slots.cuda())
+        graphs.inject(features, positions.tolist(), slots.tolist())
+    torch.cuda.synchronize()
+    for eager_cache, graph_cache in ((pools[0].k, pools[1].k), (pools[0].v, pools[1].v)):
+        torch.testing.assert_close(graph_cache[:, :scratch_block], eager_cache[:, :scratch_block])
