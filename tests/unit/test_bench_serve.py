@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
@@ -29,10 +28,10 @@ from services.config import EngineConfig
 from services.engine.loader import build_engine
 from services.router.router import Router, RpcFailed
 from services.verifier.verifier import Verifier
+from tests.bench_data import write_tiny_bench_data
 from tests.served_pair import save_tiny_pair
 
 BLOCK = 6
-DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "bench-data"
 PROMPTS = [Prompt("toy", str(i), text) for i, text in enumerate(
     ["def fib(n):", "Write a haiku about the sea.", "import os\nprint(os.getcwd())", "What is 2 + 2?", "Hello"])]
 # 1 token from the prefill, then rounds of 3 (synthetic tau 3): 1 + 3 + 3 = 7, exactly 2 rounds.
@@ -121,14 +120,14 @@ def test_embedded_counts_refused_requests_as_failed(model_pair):
     assert summarize(records, 1.0)["errors"] == {"INVALID_ARGUMENT": 2}
 
 
-@pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"no bench data at {DATA_DIR}")
 def test_the_cli_writes_json_markdown_and_a_plot(model_pair, tmp_path, capsys):
     from services.cli import main
 
     target, drafter = model_pair
     out = tmp_path / "bench"
+    data = write_tiny_bench_data(tmp_path / "bench-data")
     assert main(["bench", "--embedded", "--target", target, "--drafter", drafter, "--dataset", "gsm8k,mbpp",
-                 "--data-dir", str(DATA_DIR), "--num-prompts", "2", "--concurrency", "1,2", "--warmup", "1",
+                 "--data-dir", str(data), "--num-prompts", "2", "--concurrency", "1,2", "--warmup", "1",
                  "--max-tokens", "5", "--ignore-eos", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["setup"]["drafter"] == drafter and results["setup"]["block_size"] == BLOCK
