@@ -21,7 +21,7 @@ from services.engine.cuda_graphs import InjectionGraphs, RoundGraphs
 from services.engine.draft_runner import DraftRunner
 from services.engine.kv_cache import AttentionBatch, KVPool
 from services.models import DFlashDraftModel, load_drafter
-from services.transport import ChannelClosed, FrameListener, open_shared, read_rows
+from services.transport import BUSY_POLL_SECONDS, ChannelClosed, FrameListener, open_shared, read_rows
 
 log = logging.getLogger(__name__)
 PROTOCOL = drafter_pb2.PROTOCOL_VERSION_1
@@ -174,8 +174,9 @@ class DrafterServer:
         if reply.error:
             return
         self.sessions_served += 1
+        busy_poll = BUSY_POLL_SECONDS if self.drafter.device.type == "cuda" else 0.0  # on CPU the cores compute
         while True:
-            frame = channel.recv(drafter_pb2.DrafterRequest)
+            frame = channel.recv(drafter_pb2.DrafterRequest, busy_poll=busy_poll)
             kind = frame.WhichOneof("kind")
             if kind == "step":
                 try:

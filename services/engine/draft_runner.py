@@ -32,9 +32,11 @@ class Proposer(Protocol):
     Raising `ProposerLost` from either method makes the engine drop the proposer and decode
     target-only (still lossless) until `Engine.attach_proposer` gives it a new one.
 
-    A drafter in another process implements `propose_host` instead of `propose`: it sends host
-    lists anyway, and the engine then needs no per-round GPU metadata for it (the verify can
-    replay a CUDA graph that reads the drafts from a static buffer).
+    A drafter in another process implements `request_drafts` (host lists: bonus tokens, starts,
+    block tables) and `receive_drafts` (the drafts, [n, block-1] row-major) instead of `propose`:
+    the engine sends the request first and prepares its verify while the drafter works, and
+    needs no per-round GPU metadata for it (the verify replays a CUDA graph that reads the
+    drafts from a static buffer).
     """
 
     block_size: int

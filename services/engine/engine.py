@@ -257,6 +257,14 @@ class Engine:
         t0 = time.perf_counter()
         n, block = len(seqs), self.block_size
         starts = [s.num_cached for s in seqs]
+        remote = hasattr(self.proposer, "request_drafts")
+        if remote:  # first: the drafter works while this process prepares the verify
+            try:
+                self.proposer.request_drafts([s.request_id for s in seqs], [s.bonus for s in seqs], starts,
+                                             [s.block_table for s in seqs])
+            except ProposerLost as err:
+                self._lose_proposer(err)
+                return self._spec_round(seqs)  # the same round, target-only
         starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)
         positions = starts_t[:, None] + torch.arange(block, device=self.device)
         graphs = self.graphs
@@ -279,13 +287,15 @@ class Engine:
             drafts = bucket.drafts[:n]
         else:
             try:
-                drafts = self._propose(seqs, starts, starts_t, bonus if graphs is None else None,
-                                       batch if graphs is None else None)
+                if not remote:
+                    drafts = self.proposer.propose([s.request_id for s in seqs], bonus, starts_t, batch)
+                elif graphs is not None:
+                    drafts = graphs.load_drafts(bucket, self.proposer.receive_drafts())
+                else:
+                    drafts = torch.tensor(self.proposer.receive_drafts(), device=self.device).view(n, block - 1)
             except ProposerLost as err:
                 self._lose_proposer(err)
                 return self._spec_round(seqs)  # the same round, target-only
-            if graphs is not None:
-                drafts = graphs.load_drafts(bucket, drafts)
         t2 = self._phase_mark()
 
         if graphs is not None:
@@ -333,13 +343,6 @@ class Engine:
         tm.bookkeeping += (t1 - t0) + (t5 - t4)
         tm.rounds += 1
         tm.sequences_per_round.append(n)
-
-    def _propose(self, seqs: list[Sequence], starts: list[int], starts_t: torch.Tensor, bonus, batch) -> torch.Tensor:
-        ids = [s.request_id for s in seqs]
-        if hasattr(self.proposer, "propose_host"):  # out of process: host lists travel, not GPU tensors
-            drafts = self.proposer.propose_host(ids, [s.bonus for s in seqs], starts, [s.block_table for s in seqs])
-            return drafts.to(self.device)
-        return self.proposer.propose(ids, bonus, starts_t, batch)
 
     def _lose_proposer(self, err: Exception) -> None:
         log.warning("drafter lost (%s): continuing target-only until it is back", err)

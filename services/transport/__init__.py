@@ -7,6 +7,7 @@ but carries none of this.
 """
 
 from services.transport.channel import (
+    BUSY_POLL_SECONDS,
     DEFAULT_MAX_FRAME_BYTES,
     ChannelClosed,
     FrameChannel,
@@ -18,6 +19,7 @@ from services.transport.channel import (
 from services.transport.shared_buffer import FeatureRing, OpenedTensor, SharedTensor, open_shared, read_rows
 
 __all__ = [
+    "BUSY_POLL_SECONDS",
     "DEFAULT_MAX_FRAME_BYTES",
     "ChannelClosed",
     "FeatureRing",

@@ -3,8 +3,9 @@
 Feature rows go into a shared ring (opened once by the drafter) and only their handle travels.
 The last injection rides on the next draft request (one frame, one reply per round: the drafter
 injects, then drafts); an injection that meets another still waiting is sent on its own, without
-waiting, and the reply to the next draft request drains both. Any channel failure, timeout or drafter error raises `ProposerLost`: the
-engine then decodes target-only until a new drafter is attached.
+waiting, and the reply to the next draft request drains both. On a GPU the reply is awaited by
+polling, not sleeping (`BUSY_POLL_SECONDS`). Any channel failure, timeout or drafter error
+raises `ProposerLost`: the engine then decodes target-only until a new drafter is attached.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from services.api.dflash.v1 import drafter_pb2
 from services.engine.cuda_graphs import RoundGraphs
 from services.engine.draft_runner import ProposerLost
 from services.models import TargetModel
-from services.transport import ChannelClosed, FeatureRing, SharedTensor, connect
+from services.transport import BUSY_POLL_SECONDS, ChannelClosed, FeatureRing, SharedTensor, connect
 
 PROTOCOL = drafter_pb2.PROTOCOL_VERSION_1
 
@@ -33,8 +34,12 @@ class RemoteProposer:
         self._step = 0
         self._unanswered = 0  # requests sent whose replies are not read yet
         self._pending: drafter_pb2.StepRequest | None = None  # an injection not sent yet
-        # Per draft request: time waited beyond the drafter's own time on that step (its injection
-        # included): the channel, framing, and earlier injections it was still doing.
+        self._requested = 0  # sequences in the last draft request
+        self._requested_at = 0.0
+        self._busy_poll = BUSY_POLL_SECONDS if ring.shared.tensor.is_cuda else 0.0
+        # Per draft request: time from sending it to having the reply, beyond the drafter's own
+        # time on that step (its injection included): the channel, framing, earlier injections
+        # it was still doing, and whatever of this process's verify preparation outlasted it.
         self._transport_seconds: collections.deque[float] = collections.deque(maxlen=4096)
         self.draft_seconds: collections.deque[float] = collections.deque(maxlen=4096)  # the drafter's, per request
 
@@ -82,23 +87,28 @@ class RemoteProposer:
         self._send_pending()  # injections reach the drafter in the order they were made
         self._pending = drafter_pb2.StepRequest(features=handle, positions=positions.tolist(), slots=slots.tolist())
 
-    def propose_host(self, request_ids: list[str], bonus: list[int], starts: list[int],
-                     tables: list[list[int]]) -> torch.Tensor:
-        """Drafts [n, block-1] (on the CPU) for the tokens after each bonus token."""
+    def request_drafts(self, request_ids: list[str], bonus: list[int], starts: list[int],
+                       tables: list[list[int]]) -> None:
+        """Ask for a block of drafts for the tokens after each bonus token; `receive_drafts` waits
+        for them."""
         step, self._pending = self._pending or drafter_pb2.StepRequest(), None
         step.request_ids.extend(request_ids)
         step.bonus_tokens.extend(bonus)
         step.starts.extend(starts)
         step.block_tables.extend(drafter_pb2.BlockTable(blocks=t) for t in tables)
         self._send(step)
-        t0 = time.perf_counter()
+        self._requested = len(request_ids)
+        self._requested_at = time.perf_counter()
+
+    def receive_drafts(self) -> list[int]:
+        """The drafts asked for last, [n, block-1] row-major."""
         result = self._drain()
-        self._transport_seconds.append(time.perf_counter() - t0 - result.draft_seconds)
+        self._transport_seconds.append(time.perf_counter() - self._requested_at - result.draft_seconds)
         self.draft_seconds.append(result.draft_seconds)
-        n = len(request_ids)
+        n = self._requested
         if result.num_sequences != n or len(result.draft_tokens) != n * (self.block_size - 1):
             raise ProposerLost(f"the drafter answered {len(result.draft_tokens)} drafts for {n} sequences")
-        return torch.tensor(result.draft_tokens, dtype=torch.long).view(n, -1)
+        return list(result.draft_tokens)
 
     def drain_transport_seconds(self) -> list[float]:
         out = list(self._transport_seconds)
@@ -134,7 +144,8 @@ class RemoteProposer:
         result = None
         try:
             while self._unanswered:
-                result = self.channel.recv(drafter_pb2.DrafterReply, timeout=self.timeout).step
+                result = self.channel.recv(drafter_pb2.DrafterReply, timeout=self.timeout,
+                                           busy_poll=self._busy_poll).step
                 self._unanswered -= 1
                 if result.error:
                     raise ProposerLost(f"drafter step {result.step} failed: {result.error}")

@@ -393,6 +393,32 @@ def test_recv_timeout_keeps_partial_frames_and_the_channel(listener):
         channel.close()
 
 
+def test_busy_poll_receives_during_and_after_the_spin_and_keeps_timeouts(listener):
+    raw, channel = _raw_pair(listener)
+    try:
+        payload = _step(1, [4, 5]).SerializeToString()
+        later = threading.Timer(0.05, raw.sendall, [HEADER.pack(len(payload)) + payload])
+        later.start()  # arrives while the recv still spins
+        assert list(channel.recv(drafter_pb2.DrafterRequest, timeout=5, busy_poll=1.0).step.positions) == [4, 5]
+        later = threading.Timer(0.3, raw.sendall, [HEADER.pack(len(payload)) + payload])
+        later.start()  # arrives once the recv has given up spinning and blocks
+        assert channel.recv(drafter_pb2.DrafterRequest, timeout=5, busy_poll=0.05).step.step == 1
+
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="no complete frame"):
+            channel.recv(drafter_pb2.DrafterRequest, timeout=0.2, busy_poll=10.0)  # the timeout bounds the spin
+        assert time.monotonic() - start < 1.0
+
+        threading.Timer(0.05, raw.close).start()
+        start = time.monotonic()
+        with pytest.raises(ChannelClosed, match="the peer closed the channel"):
+            channel.recv(drafter_pb2.DrafterRequest, busy_poll=10.0)  # a hang-up ends the spin at once
+        assert time.monotonic() - start < 1.0
+    finally:
+        raw.close()
+        channel.close()
+
+
 def test_oversized_frames_are_refused_on_both_sides():
     listener = FrameListener(max_frame_bytes=100)
     sender = connect(listener.address, timeout=5, max_frame_bytes=100)
