@@ -345,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--target-layer-ids", help="comma-separated; default: the spec's rule for --num-features")
     model.add_argument("--intermediate-size", type=int, help="MLP width (default: the target's)")
     model.add_argument("--mask-token-id", type=int, help="default: an unused embedding row or spare special token")
+    model.add_argument("--init-from", help="start from this drafter checkpoint (folder or hub repo id), e.g. to "
+                                           "train a served drafter further on new data; its architecture wins")
     opt = trn.add_argument_group("optimisation")
     opt.add_argument("--gamma", type=float, help="position-weight decay (default 7 for B=16, 5 for B=10, 4 for B=8)")
     opt.add_argument("--lr", type=float, help="peak AdamW learning rate (default 6e-4)")

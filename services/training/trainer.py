@@ -40,6 +40,7 @@ from services.models import (
     load_drafter,
     save_drafter,
 )
+from services.models.checkpoint import check_state_dict, read_draft_config, read_state_dict, resolve_checkpoint
 from services.models.draft import RMSNorm
 from services.training.blocks import block_loss, default_gamma, draft_blocks
 from services.training.dataset import (
@@ -80,6 +81,7 @@ class TrainConfig:
     target_layer_ids: tuple[int, ...] | None = None  # default: the spec's rule for num_features
     intermediate_size: int | None = None  # default: the target's
     mask_token_id: int | None = None  # default: see choose_mask_token_id
+    init_from: str | None = None  # start from this drafter checkpoint (folder or hub id): architecture, weights
     # -- optimisation (spec §4: AdamW 6e-4, warmup 4 %, cosine, clip 1.0, bf16) ----------------
     gamma: float | None = None  # default: 7 for B=16, 5 for B=10, 4 for B=8
     lr: float = 6e-4
@@ -283,6 +285,10 @@ def train(config: TrainConfig) -> Path:
     tokenizer = _load_tokenizer(config.target)
     if state:
         draft_config = DFlashDraftConfig.from_dict(state["drafter_config"])
+    elif config.init_from:
+        init_folder = resolve_checkpoint(config.init_from)
+        draft_config = read_draft_config(init_folder)
+        print(f"starting from the drafter in {config.init_from} (its architecture; the drafter flags are ignored)")
     else:
         draft_config = new_drafter_config(config, tokenizer)
     target = TargetModel.from_pretrained(config.target, draft_config.target_layer_ids, dtype=dtype, device=device)
@@ -330,6 +336,10 @@ def train(config: TrainConfig) -> Path:
         drafter.load_state_dict(state["drafter"])
         optimizer.load_state_dict(state["optimizer"])
         step, train_seconds = state["step"], state["train_seconds"]
+    elif config.init_from:
+        initial = read_state_dict(init_folder)
+        check_state_dict(drafter, initial, config.init_from)
+        drafter.load_state_dict(initial)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from kernels import rms_norm_reference
 from services.cli import main
 from services.engine.sampling import SamplingParams
-from services.models import DFlashDraftConfig, DFlashDraftModel, DraftContext, TargetModel, load_drafter
+from services.models import CheckpointError, DFlashDraftConfig, DFlashDraftModel, DraftContext, TargetModel, load_drafter
 from services.training import TrainConfig, train
 from services.training.blocks import block_attention_mask, block_labels, block_loss, draft_blocks
 from services.training.dataset import AnchorBatch, Record, TrainingSet, read_records
@@ -281,6 +281,25 @@ def test_resume_continues_exactly_where_it_stopped(toy_target, tmp_path):
         f.write(json.dumps({"key": "r/zzz", "prompt_ids": [2] * 6, "response_ids": [3] * 20}) + "\n")
     with pytest.raises(ValueError, match="changed since this run started"):
         train(_toy_config(toy_target, tmp_path / "resumed", resume=True, **common))
+
+
+def test_init_from_starts_a_new_run_at_a_drafters_weights_and_architecture(toy_target, tmp_path):
+    _write_answers(tmp_path / "first", _records(6, [40] * 16))
+    train(_toy_config(toy_target, tmp_path / "first", lr=3e-3, epochs=1, batch_size=4, eval_every=0))
+    _write_answers(tmp_path / "more", _records(6, [30] * 16, seed=1))
+    # The drafter flags of a fresh run (here 1 layer, block 4) give way to the checkpoint's.
+    settings = dict(lr=3e-3, epochs=1, batch_size=4, eval_every=0, num_layers=1, block_size=4)
+    train(_toy_config(toy_target, tmp_path / "more", init_from=str(tmp_path / "first"), stop_after_steps=0, **settings))
+    source, started = (load_file(tmp_path / run / "model.safetensors") for run in ("first", "more"))
+    assert source.keys() == started.keys() and all(torch.equal(source[k], started[k]) for k in source)
+    assert json.load(open(tmp_path / "more" / "config.json"))["block_size"] == 8
+
+    train(_toy_config(toy_target, tmp_path / "more", init_from=str(tmp_path / "first"), resume=True, **settings))
+    trained = load_file(tmp_path / "more" / "model.safetensors")
+    assert any(not torch.equal(source[k], trained[k]) for k in source)  # and it trains from there
+
+    with pytest.raises(CheckpointError, match="does not exist"):
+        train(_toy_config(toy_target, tmp_path / "other", init_from=str(tmp_path / "missing")))
 
 
 # -- (e) end to end: regenerate with the engine, train, serve the checkpoint ----------------------
