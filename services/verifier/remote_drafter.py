@@ -6,6 +6,11 @@ injects, then drafts); an injection that meets another still waiting is sent on 
 waiting, and the reply to the next draft request drains both. On a GPU the reply is awaited by
 polling, not sleeping (`BUSY_POLL_SECONDS`). Any channel failure, timeout or drafter error
 raises `ProposerLost`: the engine then decodes target-only until a new drafter is attached.
+
+The drafts come back in the reply, not through a shared GPU buffer ordered by a CUDA IPC event:
+a stream waiting on another process's event stays blocked for good if that process dies before
+the event completes (seen on an H100: the verifier's GPU work hangs, not just one round), and a
+drafter must be free to die.
 """
 
 from __future__ import annotations
