@@ -231,7 +231,8 @@ def save_state(path: Path, state: dict) -> None:
 def held_out_tau(target: TargetModel, drafter_dir: Path, prompts: list[list[int]], *, max_new_tokens: int,
                  eos: set[int]) -> tuple[float, list[float]]:
     """Greedy generation with the saved drafter through the engine -> (τ, acceptance rate per
-    draft position)."""
+    draft position). τ is the mean of each prompt's τ, as DFlash's benchmark script reports it
+    (spec §3.1); per-position acceptance is pooled over all rounds."""
     drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
     drafter.check_target(target)
     block = drafter.config.block_size

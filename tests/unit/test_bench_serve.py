@@ -73,6 +73,7 @@ def test_summary_pools_rounds_and_leaves_failed_requests_out():
     assert s["errors"] == {"RESOURCE_EXHAUSTED": 1, "INTERNAL": 1}
     assert s["output_tokens"] == 9 and s["output_tok_s"] == 4.5 and s["request_throughput"] == 1.0
     assert s["tau"] == pytest.approx(1 + 4 / 3)  # pooled over rounds, not a mean of per-request taus
+    assert s["tau_per_request"] == pytest.approx(((1 + 3) + (1 + 1 / 2)) / 2)  # DFlash's script's mean
     assert s["acceptance_rate"] == pytest.approx(4 / 15)
     assert s["accepted_per_position"] == [2, 1, 1, 0, 0]
     assert s["acceptance_per_position"] == pytest.approx([2 / 3, 1 / 3, 1 / 3, 0, 0])
@@ -81,7 +82,8 @@ def test_summary_pools_rounds_and_leaves_failed_requests_out():
 
 def test_target_only_has_no_tau():
     s = summarize([record(0.0, [(0.1, 1), (0.2, 1)], tokens=2)], duration=1.0)
-    assert s["tau"] is None and s["acceptance_rate"] is None and s["acceptance_per_position"] == []
+    assert s["tau"] is None and s["tau_per_request"] is None
+    assert s["acceptance_rate"] is None and s["acceptance_per_position"] == []
 
 
 # -- the embedded engine --------------------------------------------------------------------------
@@ -97,7 +99,7 @@ def check_known_acceptance(run: dict, requests: int) -> None:
     assert (run["completed"], run["failed"]) == (requests, 0)
     assert run["output_tokens"] == SAMPLING.max_tokens * requests
     assert run["rounds"] == 2 * requests
-    assert run["tau"] == pytest.approx(3.0)
+    assert run["tau"] == run["tau_per_request"] == pytest.approx(3.0)  # equal when every request is alike
     assert run["acceptance_rate"] == pytest.approx(2 / (BLOCK - 1))
     assert run["acceptance_per_position"] == pytest.approx([1.0, 1.0, 0.0, 0.0, 0.0])
 
@@ -138,7 +140,7 @@ def test_the_cli_writes_json_markdown_and_a_plot(model_pair, tmp_path, capsys):
         assert run["tau"] == pytest.approx(1 + sum(run["accepted_per_position"]) / run["rounds"])
         assert len(run["acceptance_per_position"]) == BLOCK - 1
     table = (out / "results.md").read_text()
-    assert "| dataset | concurrency | ok | failed | output tok/s | TTFT | TPOT | ITL | τ | acceptance |" in table
+    assert "| dataset | concurrency | ok | failed | output tok/s | TTFT | TPOT | ITL | τ | τ per request | acceptance |" in table
     assert "| gsm8k | 2 | 2 | 0 |" in table and "Acceptance per draft position" in table
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert table in capsys.readouterr().out
