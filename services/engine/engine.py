@@ -257,11 +257,11 @@ class Engine:
         t0 = time.perf_counter()
         n, block = len(seqs), self.block_size
         starts = [s.num_cached for s in seqs]
+        bonus_ids, tables = [s.bonus for s in seqs], [s.block_table for s in seqs]
         remote = hasattr(self.proposer, "request_drafts")
         if remote:  # first: the drafter works while this process prepares the verify
             try:
-                self.proposer.request_drafts([s.request_id for s in seqs], [s.bonus for s in seqs], starts,
-                                             [s.block_table for s in seqs])
+                self.proposer.request_drafts([s.request_id for s in seqs], bonus_ids, starts, tables)
             except ProposerLost as err:
                 self._lose_proposer(err)
                 return self._spec_round(seqs)  # the same round, target-only
@@ -271,12 +271,12 @@ class Engine:
         if graphs is not None and (n > graphs.max_batch or not graphs.fits(self.proposer, block)):
             graphs = None
         if graphs is not None:
-            bucket = graphs.load([s.bonus for s in seqs], starts, [s.block_table for s in seqs])
+            bucket = graphs.load(bonus_ids, starts, tables)
             slots = None  # computed inside the graphs (bucket.slots after the verify replay)
         else:
-            batch = AttentionBatch.build([s.block_table for s in seqs], starts, [block] * n, self.allocator.block_size,
+            batch = AttentionBatch.build(tables, starts, [block] * n, self.allocator.block_size,
                                          self.device)
-            bonus = torch.tensor([s.bonus for s in seqs], dtype=torch.long, device=self.device)
+            bonus = torch.tensor(bonus_ids, dtype=torch.long, device=self.device)
             slots = batch.slot_mapping
         t1 = self._phase_mark()
 
