@@ -15,10 +15,13 @@ over prompts (spec §3.1).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,6 +264,33 @@ def _load_tokenizer(target: str):
         return None
 
 
+@contextlib.contextmanager
+def stop_signals():
+    """While training, SIGTERM (a preempted pod, `timeout`) or Ctrl-C asks the loop to stop after
+    the step in flight, so the run is checkpointed and --resume loses nothing; a second signal
+    acts as usual. Yields the list the handler appends to. Only the main thread can take signals."""
+    requested: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+    watched = (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.getsignal(s) for s in watched}
+
+    def handler(signum, frame) -> None:
+        requested.append(signum)
+        for s, h in previous.items():
+            signal.signal(s, h)
+        tqdm.write(f"{signal.Signals(signum).name}: stopping after this step with a checkpoint")
+
+    for s in watched:
+        signal.signal(s, handler)
+    try:
+        yield requested
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def _resumed(config: TrainConfig, saved: dict) -> TrainConfig:
     changed = {f: (getattr(config, f), saved[f]) for f in RUN_DEFINING if getattr(config, f) != saved[f]}
     if changed:
@@ -375,31 +405,33 @@ def train(config: TrainConfig) -> Path:
         checkpoint()  # the untrained baseline (τ near 1) — the metric must move from there
     started_at = step
     bar = tqdm(total=total_steps, initial=step, desc="training", unit="step")
-    while progress(step) < 1 and (config.stop_after_steps is None or step - started_at < config.stop_after_steps):
-        t0 = time.monotonic()
-        lr = config.lr * lr_factor(progress(step + 1), config.warmup_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = dataset.batch(step, config.batch_size, config.anchors, config.seed).to(device)
-        with torch.no_grad(), autocast:
-            _, features = target.forward_with_features(batch.input_ids, use_cache=False, logits_to_keep=1)
-        with autocast:
-            hidden = draft_blocks(drafter, target, batch, features)
-            loss, metrics = block_loss(drafter, target, hidden, batch, gamma)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip)
-        optimizer.step()
-        step += 1
-        train_seconds += time.monotonic() - t0  # metrics were read back: the GPU work is in it
-        last.update(lr=lr, **metrics)
-        bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", block_tau=f"{metrics['block_tau']:.2f}", lr=f"{lr:.1e}",
-                        tau=f"{last.get('tau', math.nan):.2f}", min=f"{train_seconds / 60:.1f}")
-        if config.eval_every and step % config.eval_every == 0:
+    with stop_signals() as stop_requested:
+        while (progress(step) < 1 and not stop_requested
+               and (config.stop_after_steps is None or step - started_at < config.stop_after_steps)):
             t0 = time.monotonic()
-            checkpoint()
-            train_seconds += time.monotonic() - t0
+            lr = config.lr * lr_factor(progress(step + 1), config.warmup_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = dataset.batch(step, config.batch_size, config.anchors, config.seed).to(device)
+            with torch.no_grad(), autocast:
+                _, features = target.forward_with_features(batch.input_ids, use_cache=False, logits_to_keep=1)
+            with autocast:
+                hidden = draft_blocks(drafter, target, batch, features)
+                loss, metrics = block_loss(drafter, target, hidden, batch, gamma)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip)
+            optimizer.step()
+            step += 1
+            train_seconds += time.monotonic() - t0  # metrics were read back: the GPU work is in it
+            last.update(lr=lr, **metrics)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", block_tau=f"{metrics['block_tau']:.2f}", lr=f"{lr:.1e}",
+                            tau=f"{last.get('tau', math.nan):.2f}", min=f"{train_seconds / 60:.1f}")
+            if config.eval_every and step % config.eval_every == 0:
+                t0 = time.monotonic()
+                checkpoint()
+                train_seconds += time.monotonic() - t0
     bar.close()
     if not (config.eval_every and step % config.eval_every == 0 and step > started_at):
         checkpoint()

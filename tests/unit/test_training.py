@@ -7,7 +7,9 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
 import random
+import signal
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from services.engine.sampling import SamplingParams
 from services.models import CheckpointError, DFlashDraftConfig, DFlashDraftModel, DraftContext, TargetModel, load_drafter
 from services.training import TrainConfig, train
 from services.training.blocks import block_attention_mask, block_labels, block_loss, draft_blocks
+from services.training import dataset as dataset_module
 from services.training.dataset import AnchorBatch, Record, TrainingSet, read_records
 from services.training.prompts import _python_tasks, load_prompts
 from services.training.trainer import choose_mask_token_id, trainable_drafter
@@ -90,6 +93,25 @@ def test_anchors_lie_in_the_response_and_are_redrawn_every_epoch():
             seen.setdefault(length, []).append(chosen)
     assert seen[8] == [[5, 6]] * 3  # the 3-token response has exactly two anchors
     assert len({tuple(a) for a in seen[17]}) == 3  # re-drawn each epoch
+
+
+def test_batches_group_similar_lengths_and_cover_every_sequence_once_per_epoch(monkeypatch):
+    monkeypatch.setattr(dataset_module, "GROUP_BATCHES", 4)
+    rng = random.Random(3)
+    records = _records(3, [rng.choice([4, 5, 6, 40, 41, 42]) for _ in range(50)])
+    data = TrainingSet(records, max_seq_len=64)
+    epochs = []
+    for epoch in range(2):
+        batches = [data.batch(epoch * data.steps_per_epoch(4) + i, batch_size=4, anchors=2, seed=0)
+                   for i in range(data.steps_per_epoch(4))]
+        seen = sorted(tuple(row[: int(n)].tolist()) for b in batches for row, n in zip(b.input_ids, b.lengths))
+        assert seen == sorted(tuple(s) for s in data.sequences)  # each sequence once, none twice
+        assert all(b.input_ids.shape[0] <= 4 for b in batches)
+        padded = sum(b.input_ids.numel() for b in batches)
+        assert padded < 0.75 * sum(4 * 45 for _ in batches)  # short ones are not padded to the long ones
+        epochs.append(data.epoch_batches(epoch, 4, seed=0))
+    assert epochs[0] != epochs[1]  # a new order every epoch
+    assert TrainingSet(records, max_seq_len=64).epoch_batches(1, 4, seed=0) == epochs[1]  # resumable
 
 
 def test_labels_are_the_tokens_after_the_anchor_and_padding_never_counts():
@@ -281,6 +303,28 @@ def test_resume_continues_exactly_where_it_stopped(toy_target, tmp_path):
         f.write(json.dumps({"key": "r/zzz", "prompt_ids": [2] * 6, "response_ids": [3] * 20}) + "\n")
     with pytest.raises(ValueError, match="changed since this run started"):
         train(_toy_config(toy_target, tmp_path / "resumed", resume=True, **common))
+
+
+def test_sigterm_ends_the_invocation_with_a_checkpoint_that_resume_continues(toy_target, tmp_path, monkeypatch):
+    _write_answers(tmp_path, _records(6, [40] * 16))
+    common = dict(lr=3e-3, epochs=2, batch_size=4, eval_every=0)  # 8 steps
+    batch = TrainingSet.batch
+
+    def preempted_at_step_3(self, step, *args):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `timeout` or a Kubernetes eviction sends it
+        return batch(self, step, *args)
+
+    monkeypatch.setattr(TrainingSet, "batch", preempted_at_step_3)
+    before = signal.getsignal(signal.SIGTERM)
+    train(_toy_config(toy_target, tmp_path, **common))
+    assert torch.load(tmp_path / "training_state.pt")["step"] == 4  # the step in flight finished
+    assert (tmp_path / "model.safetensors").is_file()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+    monkeypatch.setattr(TrainingSet, "batch", batch)
+    train(_toy_config(toy_target, tmp_path, resume=True, **common))
+    assert torch.load(tmp_path / "training_state.pt")["step"] == 8
 
 
 def test_init_from_starts_a_new_run_at_a_drafters_weights_and_architecture(toy_target, tmp_path):
