@@ -31,7 +31,6 @@ from services.training.prompts import Prompt, encode_prompt
 
 KV_BLOCK = 16
 MIN_RESPONSE_ROOM = 16  # prompts that leave less room than this for the answer are skipped
-GROUP_BATCHES = 64  # batches whose sequences are grouped by length (see TrainingSet.epoch_batches)
 
 
 @dataclass(frozen=True)
@@ -180,7 +179,6 @@ class TrainingSet:
             if len(ids) - len(r.prompt_ids) >= 2:  # one anchor and one label at least
                 self.sequences.append(ids)
                 self.prompt_lens.append(len(r.prompt_ids))
-        self._epoch_batches: tuple[tuple[int, int, int] | None, list[list[int]]] = (None, [])
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -188,29 +186,12 @@ class TrainingSet:
     def steps_per_epoch(self, batch_size: int) -> int:
         return math.ceil(len(self) / batch_size)
 
-    def epoch_batches(self, epoch: int, batch_size: int, seed: int) -> list[list[int]]:
-        """Epoch e's batches: the sequences shuffled with seed (seed, e), taken GROUP_BATCHES
-        batches at a time, sorted by length within that group and cut into batches, and the
-        batches shuffled. A batch is padded to its longest sequence: 16 random answers waste about
-        half of every target forward on padding, 16 of similar length about 2 % (measured on the
-        default drafter's data); which sequences meet in a batch, and when, stays random."""
-        if self._epoch_batches[0] != (epoch, batch_size, seed):
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-            order = torch.randperm(len(self), generator=generator).tolist()
-            group = batch_size * GROUP_BATCHES
-            batches = []
-            for start in range(0, len(order), group):
-                members = sorted(order[start : start + group], key=lambda i: len(self.sequences[i]))
-                batches.extend(members[i : i + batch_size] for i in range(0, len(members), batch_size))
-            shuffled = torch.randperm(len(batches), generator=generator).tolist()
-            self._epoch_batches = ((epoch, batch_size, seed), [batches[i] for i in shuffled])
-        return self._epoch_batches[1]
-
     def batch(self, step: int, batch_size: int, anchors: int, seed: int) -> AnchorBatch:
-        """The batch of global step `step` (see `epoch_batches`); anchors are drawn with seed
-        (seed, step), so they differ every epoch."""
+        """The batch of global step `step`: epoch e shuffles the sequences with seed (seed, e);
+        anchors are drawn with seed (seed, step), so they differ every epoch."""
         epoch, index = divmod(step, self.steps_per_epoch(batch_size))
-        members = self.epoch_batches(epoch, batch_size, seed)[index]
+        order = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        members = order[index * batch_size : (index + 1) * batch_size].tolist()
         generator = torch.Generator().manual_seed(seed * 1_000_003 + 7919 * step + 1)
         width = max(len(self.sequences[i]) for i in members)
         input_ids = torch.zeros(len(members), width, dtype=torch.long)

@@ -23,7 +23,6 @@ from services.engine.sampling import SamplingParams
 from services.models import CheckpointError, DFlashDraftConfig, DFlashDraftModel, DraftContext, TargetModel, load_drafter
 from services.training import TrainConfig, train
 from services.training.blocks import block_attention_mask, block_labels, block_loss, draft_blocks
-from services.training import dataset as dataset_module
 from services.training.dataset import AnchorBatch, Record, TrainingSet, read_records
 from services.training.prompts import _python_tasks, load_prompts
 from services.training.trainer import choose_mask_token_id, trainable_drafter
@@ -93,25 +92,6 @@ def test_anchors_lie_in_the_response_and_are_redrawn_every_epoch():
             seen.setdefault(length, []).append(chosen)
     assert seen[8] == [[5, 6]] * 3  # the 3-token response has exactly two anchors
     assert len({tuple(a) for a in seen[17]}) == 3  # re-drawn each epoch
-
-
-def test_batches_group_similar_lengths_and_cover_every_sequence_once_per_epoch(monkeypatch):
-    monkeypatch.setattr(dataset_module, "GROUP_BATCHES", 4)
-    rng = random.Random(3)
-    records = _records(3, [rng.choice([4, 5, 6, 40, 41, 42]) for _ in range(50)])
-    data = TrainingSet(records, max_seq_len=64)
-    epochs = []
-    for epoch in range(2):
-        batches = [data.batch(epoch * data.steps_per_epoch(4) + i, batch_size=4, anchors=2, seed=0)
-                   for i in range(data.steps_per_epoch(4))]
-        seen = sorted(tuple(row[: int(n)].tolist()) for b in batches for row, n in zip(b.input_ids, b.lengths))
-        assert seen == sorted(tuple(s) for s in data.sequences)  # each sequence once, none twice
-        assert all(b.input_ids.shape[0] <= 4 for b in batches)
-        padded = sum(b.input_ids.numel() for b in batches)
-        assert padded < 0.75 * sum(4 * 45 for _ in batches)  # short ones are not padded to the long ones
-        epochs.append(data.epoch_batches(epoch, 4, seed=0))
-    assert epochs[0] != epochs[1]  # a new order every epoch
-    assert TrainingSet(records, max_seq_len=64).epoch_batches(1, 4, seed=0) == epochs[1]  # resumable
 
 
 def test_labels_are_the_tokens_after_the_anchor_and_padding_never_counts():
