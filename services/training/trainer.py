@@ -310,7 +310,6 @@ def train(config: TrainConfig) -> Path:
             raise ValueError(f"{out} holds a training run already: pass --resume to continue it, or another --output")
         state = torch.load(state_path, map_location="cpu")
         config = _resumed(config, state["config"])
-    out.mkdir(parents=True, exist_ok=True)
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     tokenizer = _load_tokenizer(config.target)
@@ -329,6 +328,7 @@ def train(config: TrainConfig) -> Path:
 
     if tokenizer is None and (config.stage != "train" or config.eval_set):
         raise ValueError(f"{config.target} has no tokenizer: encoding prompts (--stage data/all, --eval-set) needs one")
+    out.mkdir(parents=True, exist_ok=True)  # only now: a bad --target or --init-from leaves nothing behind
 
     if config.stage in ("all", "data"):
         added = regenerate(target, tokenizer, load_prompts(list(config.prompts), config.data_dir), answers,

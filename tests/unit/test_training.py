@@ -324,6 +324,7 @@ def test_init_from_starts_a_new_run_at_a_drafters_weights_and_architecture(toy_t
 
     with pytest.raises(CheckpointError, match="does not exist"):
         train(_toy_config(toy_target, tmp_path / "other", init_from=str(tmp_path / "missing")))
+    assert not (tmp_path / "other").exists()  # a failed start leaves no empty output folder
 
 
 # -- (e) end to end: regenerate with the engine, train, serve the checkpoint ----------------------
