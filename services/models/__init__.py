@@ -3,7 +3,7 @@
 from services.models.checkpoint import CheckpointError, load_drafter, save_drafter
 from services.models.draft import DFlashDraftModel, DraftAttentionContext, DraftContext
 from services.models.draft_config import DFlashDraftConfig, DraftConfigError, default_target_layer_ids
-from services.models.target import TargetLoadError, TargetModel
+from services.models.target import TargetLoadError, TargetModel, load_target_config
 
 __all__ = [
     "CheckpointError",
@@ -16,5 +16,6 @@ __all__ = [
     "TargetModel",
     "default_target_layer_ids",
     "load_drafter",
+    "load_target_config",
     "save_drafter",
 ]

@@ -13,11 +13,26 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
 
 class TargetLoadError(RuntimeError):
     """The target model could not be loaded; the message says where it was looked for."""
+
+
+def _cannot_load(name_or_path: str, err: OSError) -> TargetLoadError:
+    return TargetLoadError(
+        f"cannot load target '{name_or_path}': {err}. Pass a local folder holding config.json and "
+        "*.safetensors, or a hub repo id on a machine that reaches the hub (or has it in the HF cache)."
+    )
+
+
+def load_target_config(name_or_path: str) -> PreTrainedConfig:
+    """The target's text config alone (no weights), with the same error as loading the model."""
+    try:
+        return AutoConfig.from_pretrained(name_or_path).get_text_config()
+    except OSError as err:
+        raise _cannot_load(name_or_path, err) from err
 
 
 def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
@@ -69,10 +84,7 @@ class TargetModel:
         try:
             model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, revision=revision)
         except OSError as err:
-            raise TargetLoadError(
-                f"cannot load target '{name_or_path}': {err}. Pass a local folder holding config.json and "
-                "*.safetensors, or a hub repo id on a machine that reaches the hub (or has it in the HF cache)."
-            ) from err
+            raise _cannot_load(name_or_path, err) from err
         return cls(model.to(device).eval(), layer_ids)
 
     @property

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from kernels import rms_norm_reference
 from services.bench.prompts import DEFAULT_DATA_DIR
@@ -41,6 +41,7 @@ from services.models import (
     TargetModel,
     default_target_layer_ids,
     load_drafter,
+    load_target_config,
     save_drafter,
 )
 from services.models.checkpoint import check_state_dict, read_draft_config, read_state_dict, resolve_checkpoint
@@ -166,7 +167,7 @@ def choose_mask_token_id(tokenizer, embedding_rows: int) -> int:
 def new_drafter_config(config: TrainConfig, tokenizer) -> DFlashDraftConfig:
     """A z-lab config.json for a fresh drafter at the target's width (spec §2.1): Qwen3-style
     layers with the target's heads, head_dim, MLP width and RoPE theta unless told otherwise."""
-    t = AutoConfig.from_pretrained(config.target).get_text_config()
+    t = load_target_config(config.target)
     heads = t.num_attention_heads
     rows = t.vocab_size
     layer_ids = config.target_layer_ids or default_target_layer_ids(t.num_hidden_layers,

@@ -327,6 +327,14 @@ def test_init_from_starts_a_new_run_at_a_drafters_weights_and_architecture(toy_t
     assert not (tmp_path / "other").exists()  # a failed start leaves no empty output folder
 
 
+def test_a_target_that_cannot_be_loaded_is_a_clear_error_and_leaves_nothing(tmp_path, capsys):
+    # A fresh run reads the target's config first (to size the drafter): that read must fail as clearly as loading it.
+    out = tmp_path / "run"
+    assert main(["train", "--target", str(tmp_path / "missing"), "--output", str(out), "--stage", "train"]) == 2
+    assert f"cannot load target '{tmp_path / 'missing'}'" in capsys.readouterr().err
+    assert not out.exists()
+
+
 # -- (e) end to end: regenerate with the engine, train, serve the checkpoint ----------------------
 
 
