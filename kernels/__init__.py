@@ -4,7 +4,10 @@
   sliding window, GQA) — target prefill/verify/decode and the drafter's block forward.
 - `inject_context_kv`: the drafter's fused k_norm + RoPE + paged cache write of context K/V for all
   draft layers in one launch.
-- `rms_norm`: Qwen3/Llama RMSNorm in one launch instead of seven.
+- `rms_norm`: Qwen3/Llama RMSNorm in one launch instead of seven; `add_rms_norm` with the
+  residual add before it.
+- `rope_kv_write`: a target layer's q/k norm + RoPE + paged K/V write, from its merged QKV output.
+- `silu_mul`: SiLU(gate) · up of a merged gate-up projection.
 
 The Triton kernels run when the tensors are on CUDA (or under TRITON_INTERPRET=1); otherwise, or
 without triton installed, the references run. Nothing here imports `services`.
@@ -12,9 +15,21 @@ without triton installed, the references run. Nothing here imports `services`.
 
 from kernels.kv_injection import inject_context_kv, inject_context_kv_reference, inject_context_kv_triton
 from kernels.paged_attention import paged_attention, paged_attention_reference, paged_attention_triton
-from kernels.rms_norm import rms_norm, rms_norm_reference, rms_norm_triton
+from kernels.rms_norm import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    add_rms_norm_triton,
+    rms_norm,
+    rms_norm_reference,
+    rms_norm_triton,
+)
+from kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference, rope_kv_write_triton
+from kernels.silu_mul import silu_mul, silu_mul_reference, silu_mul_triton
 
 __all__ = [
+    "add_rms_norm",
+    "add_rms_norm_reference",
+    "add_rms_norm_triton",
     "inject_context_kv",
     "inject_context_kv_reference",
     "inject_context_kv_triton",
@@ -24,4 +39,10 @@ __all__ = [
     "rms_norm",
     "rms_norm_reference",
     "rms_norm_triton",
+    "rope_kv_write",
+    "rope_kv_write_reference",
+    "rope_kv_write_triton",
+    "silu_mul",
+    "silu_mul_reference",
+    "silu_mul_triton",
 ]

@@ -63,3 +63,55 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=mask)
         y = w.to(tl.float32) * normed.to(tl.float32)
         tl.store(out_ptr + row * dim + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual): a decoder layer's residual add and the next norm in one
+    launch. The sum is taken in the input dtype, as `residual + hidden_states` is in transformers."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if triton is not None and (x.is_cuda or interpret) and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_reference(x, residual, weight, eps)
+
+
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = residual + x
+    return rms_norm_reference(summed, weight, eps), summed
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    dim = x.shape[-1]
+    rows, res_rows = x.reshape(-1, dim), residual.reshape(-1, dim)
+    assert rows.stride(-1) == 1 and res_rows.stride(-1) == 1 and rows.shape == res_rows.shape
+    summed = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(dim)
+        _add_rms_norm_kernel[(rows.shape[0],)](
+            rows, res_rows, weight, out, summed, rows.stride(0), res_rows.stride(0), dim, eps, BLOCK=block,
+            num_warps=min(max(block // 256, 1), 16),
+        )
+    return out.view(*x.shape[:-1], dim), summed.view(*x.shape[:-1], dim)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, x_row_stride, res_row_stride, dim, eps,
+                             BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < dim
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+        res = tl.load(res_ptr + row * res_row_stride + cols, mask=mask, other=0.0)
+        summed = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)  # rounded as torch's add in x.dtype
+        tl.store(sum_ptr + row * dim + cols, summed, mask=mask)
+        s32 = summed.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(s32 * s32, axis=0) / dim + eps)
+        normed = (s32 * inv).to(x.dtype)
+        w = tl.load(w_ptr + cols, mask=mask)
+        y = w.to(tl.float32) * normed.to(tl.float32)
+        tl.store(out_ptr + row * dim + cols, y.to(out_ptr.dtype.element_ty), mask=mask)

@@ -10,6 +10,9 @@ import dataclasses
 from dataclasses import dataclass
 
 
+TARGET_IMPLS = ("auto", "fused", "transformers")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The speculative engine: models, KV cache and scheduler limits."""
@@ -33,6 +36,9 @@ class EngineConfig:
     max_tokens_limit: int = 32768
     # Capture CUDA graphs for the fixed-shape decode, verify and draft forwards (GPU only).
     cuda_graphs: bool = True
+    # The target's forward: fused (our layer code and kernels: Llama, Qwen2, Qwen3 dense),
+    # transformers (its own layer code, any causal LM), or auto (fused where it applies).
+    target_impl: str = "auto"
 
     def validate(self) -> None:
         if not self.target:
@@ -41,6 +47,8 @@ class EngineConfig:
             raise ValueError(f"kv_block_size={self.kv_block_size} must be a positive power of two")
         if self.max_num_seqs <= 0 or self.max_prefill_tokens <= 0:
             raise ValueError("max_num_seqs and max_prefill_tokens must be positive")
+        if self.target_impl not in TARGET_IMPLS:
+            raise ValueError(f"target_impl={self.target_impl!r}: choose one of {', '.join(TARGET_IMPLS)}")
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]")
 

@@ -87,9 +87,10 @@ def time_replay(fn, repeats: int = 20) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def kernel_census(fn) -> dict:
-    """Kernels launched by one call of `fn` (a graph replay) and their summed GPU time: when the sum
-    is well under the wall time, launch gaps between many tiny kernels are what is left."""
+def kernel_census(fn, top: int = 8) -> dict:
+    """Kernels launched by one call of `fn` (a graph replay), their summed GPU time, and the `top`
+    kernel names by time: when the sum is well under the wall time, launch gaps between many tiny
+    kernels are what is left."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -98,7 +99,14 @@ def kernel_census(fn) -> dict:
         fn()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    return {"kernels": len(kernels), "kernel_ms": sum(e.device_time for e in kernels) / 1e3}
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name[:60], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.device_time / 1e3
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    return {"kernels": len(kernels), "kernel_ms": sum(e.device_time for e in kernels) / 1e3,
+            "top": [{"name": name, "count": count, "ms": round(ms, 4)} for name, (count, ms) in ranked]}
 
 
 def run_case(engine, batch: int, prompt_len: int, max_tokens: int) -> dict:
@@ -169,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--profile", action="store_true", help="print a host profile of steps at the largest batch")
+    parser.add_argument("--target-impl", default="auto", choices=["auto", "fused", "transformers"],
+                        help="the target's forward (EngineConfig.target_impl)")
     args = parser.parse_args(argv)
     device = "cuda"
     batches = [int(b) for b in args.batches.split(",")]
@@ -181,14 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {torch.cuda.get_device_name()}; target {weight_bytes / 1e9:.2f} GB bf16; copy bandwidth "
           f"{bandwidth / 1e12:.2f} TB/s -> memory floor {floor_ms:.2f} ms per target forward", flush=True)
 
-    results = {"device": torch.cuda.get_device_name(), "weight_bytes": weight_bytes, "bandwidth": bandwidth,
+    results = {"device": torch.cuda.get_device_name(), "target_impl": args.target_impl, "weight_bytes": weight_bytes, "bandwidth": bandwidth,
                "floor_ms": floor_ms, "rows": []}
     for batch in batches:
         blocks = batch * (-(-(args.prompt_len + args.max_tokens + 32) // 16)) + 64
         base = EngineConfig(target="random-qwen3-8b", device=device, num_kv_blocks=blocks, max_num_seqs=batch,
-                            max_prefill_tokens=8192)
+                            max_prefill_tokens=8192, target_impl=args.target_impl)
         ar = assemble_engine(base, TargetModel(hf), None)
         census = kernel_census(lambda: ar.graphs.verify(ar.graphs.bucket_for(batch)))
+        print(f"AR batch {batch} forward census: {json.dumps(census)}", flush=True)
         run_case(ar, batch, args.prompt_len, 8)  # warm-up: first-use compilations and allocations
         row = {"mode": "AR", "batch": batch, "tau": 1.0, "synthetic": False, "fwd_census": census,
                **run_case(ar, batch, args.prompt_len, args.max_tokens)}
@@ -203,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         spec = assemble_engine(base, target, drafter)
         spec.synthetic_tau = taus[0]
         run_case(spec, batch, args.prompt_len, 40)  # warm-up
+        verify_census = kernel_census(lambda: spec.graphs.verify(spec.graphs.bucket_for(batch)))
+        print(f"DFlash batch {batch} verify census: {json.dumps(verify_census)}", flush=True)
+        results.setdefault("verify_census", {})[batch] = verify_census
         for tau in taus:
             spec.synthetic_tau = tau
             row = {"mode": "DFlash", "batch": batch, "synthetic": True, "target_tau": tau,

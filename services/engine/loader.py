@@ -11,6 +11,7 @@ from services.config import EngineConfig
 from services.engine.cuda_graphs import DEFAULT_BUCKETS, RoundGraphs
 from services.engine.draft_runner import DraftRunner
 from services.engine.engine import Engine
+from services.engine.fused_target import FusedTargetRunner, fused_unsupported_reason
 from services.engine.kv_cache import BlockAllocator, KVPool
 from services.engine.target_runner import TargetRunner
 from services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel, load_drafter
@@ -53,6 +54,23 @@ def num_kv_blocks(config: EngineConfig, device: torch.device, bytes_per_block: i
     if blocks <= 0:
         raise RuntimeError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free after loading the models)")
     return blocks
+
+
+def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions: int
+                  ) -> TargetRunner | FusedTargetRunner:
+    """The target's forward for `EngineConfig.target_impl`; auto takes the fused one where it applies."""
+    name = type(target.model).__name__
+    if impl == "transformers":
+        log.info("target forward: transformers layer code for %s (target_impl=transformers)", name)
+        return TargetRunner(target, pool)
+    reason = fused_unsupported_reason(target)
+    if reason is None:
+        log.info("target forward: fused layers for %s (target_impl=%s)", name, impl)
+        return FusedTargetRunner(target, pool, max_positions=max_positions)
+    if impl == "fused":
+        raise ValueError(f"target_impl=fused: {name} has no fused forward ({reason}); use auto or transformers")
+    log.info("target forward: transformers layer code for %s (no fused forward: %s)", name, reason)
+    return TargetRunner(target, pool)
 
 
 def build_engine(config: EngineConfig) -> Engine:
@@ -98,14 +116,13 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
     if blocks <= scratch:
         raise ValueError(f"num_kv_blocks={blocks} is too small; need more than {scratch}")
     allocator = BlockAllocator(blocks - scratch, config.kv_block_size)
-    runner = TargetRunner(
-        target, KVPool.allocate(t_layers, blocks, config.kv_block_size, t_heads, t_dim, dtype, device)
-    )
+    max_len = config.max_model_len or int(getattr(target.config, "max_position_embeddings", 0) or 32768)
+    pool = KVPool.allocate(t_layers, blocks, config.kv_block_size, t_heads, t_dim, dtype, device)
+    runner = target_runner(config.target_impl, target, pool, max_positions=max_len + lookahead)
     proposer = None
     if drafter is not None:
-        pool = KVPool.allocate(d_layers, blocks, config.kv_block_size, d_heads, d_dim, dtype, device)
-        proposer = DraftRunner(drafter, target, pool)
-    max_len = config.max_model_len or int(getattr(target.config, "max_position_embeddings", 0) or 32768)
+        draft_pool = KVPool.allocate(d_layers, blocks, config.kv_block_size, d_heads, d_dim, dtype, device)
+        proposer = DraftRunner(drafter, target, draft_pool)
     engine = Engine(
         runner, proposer, allocator, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids, max_model_len=max_len
     )

@@ -10,8 +10,12 @@ from services.config import EngineConfig
 from services.engine.draft_runner import DraftRunner
 from services.engine.engine import Engine
 from services.engine.kv_cache import BlockAllocator, KVPool
+from services.engine.loader import target_runner
 from services.engine.target_runner import TargetRunner
 from services.models import DFlashDraftModel, TargetModel
+
+# The target forward every engine test runs on; tests/engine/conftest.py runs the suite once per value.
+TARGET_IMPL = "auto"
 
 
 def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = None, num_blocks=256, kv_block_size=4,
@@ -20,7 +24,8 @@ def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = Non
     layer_ids = drafter.config.target_layer_ids if drafter is not None else getattr(proposer, "target_layer_ids", ())
     target = TargetModel(model, layer_ids)
     t_layers, t_heads, t_dim = TargetRunner.kv_shape(target)
-    runner = TargetRunner(target, KVPool.allocate(t_layers, num_blocks, kv_block_size, t_heads, t_dim, model.dtype, "cpu"))
+    pool = KVPool.allocate(t_layers, num_blocks, kv_block_size, t_heads, t_dim, model.dtype, "cpu")
+    runner = target_runner(TARGET_IMPL, target, pool, max_positions=max_model_len + 64)
     if drafter is not None:
         d_layers, d_heads, d_dim = DraftRunner.kv_shape(drafter.config)
         pool = KVPool.allocate(d_layers, num_blocks, kv_block_size, d_heads, d_dim, drafter.dtype, "cpu")

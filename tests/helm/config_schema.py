@@ -17,12 +17,12 @@ import types
 import typing
 from pathlib import Path
 
-from services.config import TOPOLOGIES, ServeConfig
+from services.config import TARGET_IMPLS, TOPOLOGIES, ServeConfig
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "helm" / "dflash-serve" / "values.schema.json"
 # Set by the chart from its `ports` values, so that the pods' config names the ports they listen on.
 CHART_OWNED = {"grpc_port": "ports.grpc", "metrics_port": "ports.metrics"}
-ENUMS = {"topology": list(TOPOLOGIES)}
+ENUMS = {"topology": list(TOPOLOGIES), "target_impl": list(TARGET_IMPLS)}
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
 
 

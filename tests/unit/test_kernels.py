@@ -457,3 +457,120 @@ def test_flash_backend_is_only_used_when_it_can_serve_the_call(monkeypatch):
         assert not flash_backend.can_serve(qc, torch.zeros(2, 16, 2, 16), lens, 4)  # page size 16
         assert not flash_backend.can_serve(qc, torch.zeros(2, 256, 2, 16), lens, 5)  # lengths differ
         assert not flash_backend.can_serve(qc, torch.zeros(2, 256, 2, 16), lens, None)
+
+
+# -- fused decoder-layer ops (add + RMSNorm, q/k norm + RoPE + KV write, SiLU·mul) -----------------
+
+
+def test_add_rms_norm_reference_is_transformers_residual_add_then_norm():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from kernels.rms_norm import add_rms_norm_reference
+
+    norm = LlamaRMSNorm(64, eps=1e-5)
+    torch.nn.init.normal_(norm.weight)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, res = torch.randn(5, 64, dtype=dtype), torch.randn(5, 64, dtype=dtype)
+        normed, summed = add_rms_norm_reference(x, res, norm.to(dtype).weight, 1e-5)
+        assert torch.equal(summed, res + x) and torch.equal(normed, norm(res + x))
+
+
+@runs_triton
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("shape", [(7, 64), (1, 576), (5, 100)])
+def test_add_rms_norm_triton_matches_reference(dtype, shape):
+    from kernels.rms_norm import add_rms_norm_reference, add_rms_norm_triton
+
+    g = torch.Generator().manual_seed(sum(shape))
+    x, res = (torch.randn(*shape, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(shape[-1], generator=g)).to(dtype).to(DEVICE)
+    normed, summed = add_rms_norm_triton(x, res, w, 1e-6)
+    ref_normed, ref_summed = add_rms_norm_reference(x.cpu(), res.cpu(), w.cpu(), 1e-6)
+    assert torch.equal(summed.cpu(), ref_summed)  # one rounding of the same sum
+    assert relative_error(normed, ref_normed) < TOLERANCE[dtype]
+
+
+def test_silu_mul_reference_is_transformers_llama_mlp_activation():
+    from transformers.activations import ACT2FN
+
+    from kernels.silu_mul import silu_mul_reference
+
+    for dtype in (torch.float32, torch.bfloat16):
+        gate, up = torch.randn(3, 40, dtype=dtype), torch.randn(3, 40, dtype=dtype)
+        assert torch.equal(silu_mul_reference(torch.cat([gate, up], -1)), ACT2FN["silu"](gate) * up)
+
+
+@runs_triton
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("rows, width", [(1, 48), (9, 1500), (4, 2048)])
+def test_silu_mul_triton_matches_reference(dtype, rows, width):
+    from kernels.silu_mul import silu_mul_reference, silu_mul_triton
+
+    g = torch.Generator().manual_seed(rows * width)
+    gate_up = (3 * torch.randn(rows, 2 * width, generator=g)).to(dtype).to(DEVICE)
+    out = silu_mul_triton(gate_up)
+    assert out.shape == (rows, width) and out.dtype == dtype
+    assert relative_error(out, silu_mul_reference(gate_up.cpu())) < {
+        torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 4e-3}[dtype]
+
+
+def rope_case(*, tokens, heads, kv_heads, head_dim, block_size, dtype, qk_norm, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    positions = torch.randint(0, 200, (tokens,), generator=g)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(256).float()[:, None] * inv_freq[None]
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    num_blocks = tokens // block_size + 3
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    weights = [(1 + 0.2 * torch.randn(head_dim, generator=g)).to(dtype) for _ in range(2)] if qk_norm else [None, None]
+    return qkv, positions, cos, sin, slots, k_cache, k_cache.clone(), weights
+
+
+def test_rope_kv_write_reference_is_transformers_qwen3_attention_input():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    from kernels.rope_kv_write import rope_kv_write_reference
+
+    heads, kv_heads, head_dim = 4, 2, 16
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv, positions, cos, sin, slots, k_cache, v_cache, (qw, kw) = rope_case(
+            tokens=11, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=4, dtype=dtype, qk_norm=True)
+        q = rope_kv_write_reference(qkv, positions, cos, sin, slots, k_cache, v_cache, num_heads=heads,
+                                    num_kv_heads=kv_heads, q_norm_weight=qw, k_norm_weight=kw, eps=1e-6)
+        q_norm, k_norm = Qwen3RMSNorm(head_dim, 1e-6).to(dtype), Qwen3RMSNorm(head_dim, 1e-6).to(dtype)
+        q_norm.weight.data, k_norm.weight.data = qw, kw
+        hq, hk, hv = qkv.view(11, -1, head_dim).split([heads, kv_heads, kv_heads], 1)
+        full_cos, full_sin = torch.cat([cos, cos], -1)[positions], torch.cat([sin, sin], -1)[positions]
+        ref_q, ref_k = apply_rotary_pos_emb(q_norm(hq).transpose(0, 1)[None], k_norm(hk).transpose(0, 1)[None],
+                                            full_cos[None], full_sin[None])
+        assert torch.equal(q, ref_q[0].transpose(0, 1))
+        flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+        assert torch.equal(flat_k[slots], ref_k[0].transpose(0, 1)) and torch.equal(flat_v[slots], hv)
+
+
+@runs_triton
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("tokens, heads, kv_heads, head_dim", [(1, 4, 2, 16), (13, 8, 2, 32), (5, 2, 2, 24)])
+def test_rope_kv_write_triton_matches_reference(dtype, qk_norm, tokens, heads, kv_heads, head_dim):
+    from kernels.rope_kv_write import rope_kv_write_reference, rope_kv_write_triton
+
+    qkv, positions, cos, sin, slots, k_cache, v_cache, (qw, kw) = rope_case(
+        tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=4, dtype=dtype, qk_norm=qk_norm)
+    kwargs = dict(num_heads=heads, num_kv_heads=kv_heads, q_norm_weight=qw, k_norm_weight=kw, eps=1e-6)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref_q = rope_kv_write_reference(qkv, positions, cos, sin, slots, ref_k, ref_v, **kwargs)
+    moved = [None if t is None else t.to(DEVICE) for t in (qkv, positions, cos, sin, slots, k_cache, v_cache, qw, kw)]
+    k_out, v_out = moved[5], moved[6]
+    q = rope_kv_write_triton(*moved[:7], num_heads=heads, num_kv_heads=kv_heads, q_norm_weight=moved[7],
+                             k_norm_weight=moved[8], eps=1e-6)
+    tolerance = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 4e-3}[dtype]
+    assert relative_error(q, ref_q) < tolerance
+    flat = lambda cache: cache.cpu().view(-1, kv_heads, head_dim)  # noqa: E731
+    assert relative_error(flat(k_out)[slots], flat(ref_k)[slots]) < tolerance
+    assert torch.equal(flat(v_out)[slots], flat(ref_v)[slots])
+    untouched = torch.ones(flat(k_out).shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert flat(k_out)[untouched].isnan().all() and flat(v_out)[untouched].isnan().all()

@@ -1,0 +1,154 @@
+"""The fused target forward against transformers' own layer code, on tiny random targets.
+
+Every family with a fused forward runs the same packed, paged forwards through both runners:
+three sequences of different lengths prefilled in two chunks, then a verify block each. Logits
+and the drafter's features must agree to float32 rounding (the issue's bound is 1e-5 relative;
+the fused path is in fact bit-exact in float32 on CPU), and the features must be the HF model's
+own `hidden_states[k + 1]` of an unpaged forward.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from services.config import EngineConfig
+from services.engine.fused_target import FusedTargetRunner
+from services.engine.kv_cache import AttentionBatch, BlockAllocator, KVPool
+from services.engine.loader import target_runner
+from services.engine.target_runner import TargetRunner
+from services.models import TargetModel
+from tests.targets import tiny_target
+
+LAYER_IDS = (0, 1, 3)  # 3: the last layer, whose feature comes out of the final norm's fused add
+PAGE = 4
+CHUNKS = ([3, 5, 2], [2, 4, 1], [4, 4, 4])  # query lengths of 3 sequences: two prefill chunks, then a verify block
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def fused_families():
+    """(name, model) of every configuration the fused forward claims."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(3)
+    llama3 = LlamaForCausalLM(LlamaConfig(**common, attention_bias=True, mlp_bias=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))
+    qwen3_sliding = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=8, use_sliding_window=True, sliding_window=6,
+                                                 max_window_layers=2,
+                                                 layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2))
+    return [
+        ("llama", tiny_target("llama", layers=4)),
+        ("qwen2 (qkv bias)", tiny_target("qwen2", layers=4)),
+        ("qwen3 (q/k norm)", tiny_target("qwen3", layers=4)),
+        ("llama-3 rope, attention and mlp biases", llama3.double().eval()),
+        ("qwen3 with sliding-window layers", qwen3_sliding.double().eval()),
+    ]
+
+
+def paged_forwards(runner, dtype, seed: int = 0):
+    """Chunked prefill of 3 sequences (lengths 5, 9, 3 in two chunks), then a 4-token block each."""
+    tables = [[], [], []]
+    allocator = BlockAllocator(64, PAGE)
+    for table in tables:
+        allocator.grow(table, 24)
+    g = torch.Generator().manual_seed(seed)
+    starts, outputs, all_ids = [0, 0, 0], [], []
+    for query_lens in CHUNKS:
+        ids = torch.randint(0, 90, (sum(query_lens),), generator=g)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, query_lens, strict=True)])
+        batch = AttentionBatch.build(tables, starts, query_lens, PAGE, "cpu")
+        outputs.append(runner.forward(ids, positions, batch, torch.arange(sum(query_lens))))
+        all_ids.append(ids.split(query_lens))
+        starts = [s + n for s, n in zip(starts, query_lens, strict=True)]
+    sequences = [torch.cat([chunk[i] for chunk in all_ids]) for i in range(3)]
+    return outputs, sequences
+
+
+def runners(model, dtype):
+    target = TargetModel(model.to(dtype), LAYER_IDS)
+    layers, heads, dim = TargetRunner.kv_shape(target)
+    pools = [KVPool.allocate(layers, 64, PAGE, heads, dim, dtype, "cpu") for _ in range(2)]
+    return target, TargetRunner(target, pools[0]), FusedTargetRunner(target, pools[1], max_positions=64)
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.float64, 1e-6)])
+@pytest.mark.parametrize("index", range(5))
+def test_fused_forward_equals_transformers_on_chunked_prefill_and_verify(index, dtype, bound):
+    name, model = fused_families()[index]
+    target, hf_runner, fused_runner = runners(model, dtype)
+    (hf_out, sequences), (fused_out, _) = paged_forwards(hf_runner, dtype), paged_forwards(fused_runner, dtype)
+    for (hf_logits, hf_features), (logits, features) in zip(hf_out, fused_out, strict=True):
+        assert logits.shape == hf_logits.shape and features.shape == hf_features.shape
+        # float64 differs only because transformers' RMSNorm computes in float32 whatever the input.
+        assert relative(logits, hf_logits) < bound, name
+        assert relative(features, hf_features) < bound, name
+    # The features are the HF model's own hidden states of an unpaged forward over each sequence.
+    rows_of = [[] for _ in sequences]  # each sequence's feature rows, forward after forward
+    for query_lens, (_, features) in zip(CHUNKS, fused_out, strict=True):
+        for i, rows in enumerate(features.split(query_lens)):
+            rows_of[i].append(rows)
+    with torch.no_grad():
+        for ids, rows in zip(sequences, rows_of, strict=True):
+            states = model(input_ids=ids[None], output_hidden_states=True).hidden_states
+            got = torch.cat(rows).chunk(len(LAYER_IDS), dim=-1)
+            for slot, k in enumerate(LAYER_IDS[:-1]):  # HF's last entry is after the final norm
+                assert relative(got[slot], states[k + 1][0]) < bound, name
+
+
+def test_fusing_shares_the_hf_weights_and_leaves_the_hf_model_working():
+    model = tiny_target("qwen2", layers=4).float()
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    _, _, fused = runners(model, torch.float32)
+    attn = model.model.layers[0].self_attn
+    layer = fused.layers[0]
+    # q/k/v are row blocks of the merged weight: one copy of each weight in memory.
+    assert attn.q_proj.weight.data_ptr() == layer.qkv.data_ptr()
+    assert attn.v_proj.bias.data_ptr() == layer.qkv_bias[-attn.v_proj.bias.numel():].data_ptr()
+    assert model.model.layers[0].mlp.up_proj.weight.data_ptr() == layer.gate_up[model.config.intermediate_size:].data_ptr()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)
+
+
+def test_auto_takes_the_fused_forward_where_it_applies_and_says_which(caplog):
+    pool = lambda t: KVPool.allocate(*(lambda s: (s[0], 8, PAGE, s[1], s[2]))(TargetRunner.kv_shape(t)),  # noqa: E731
+                                     torch.float32, "cpu")
+    with caplog.at_level(logging.INFO, logger="services.engine.loader"):
+        for family in ("llama", "qwen2", "qwen3"):
+            target = TargetModel(tiny_target(family, layers=2).float())
+            assert isinstance(target_runner("auto", target, pool(target), max_positions=64), FusedTargetRunner)
+            assert isinstance(target_runner("transformers", target, pool(target), max_positions=64), TargetRunner)
+        gemma = TargetModel(tiny_target("gemma3", layers=2).float())
+        runner = target_runner("auto", gemma, pool(gemma), max_positions=64)
+        assert type(runner) is TargetRunner
+    assert "transformers layer code for Gemma3ForCausalLM (no fused forward: model_type 'gemma3_text'" in caplog.text
+    assert "fused layers for Qwen3ForCausalLM (target_impl=auto)" in caplog.text
+    with pytest.raises(ValueError, match="target_impl=fused: Gemma3ForCausalLM has no fused forward"):
+        target_runner("fused", gemma, pool(gemma), max_positions=64)
+
+
+def test_rope_that_changes_with_the_sequence_stays_on_transformers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, rope_parameters={
+                                             "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}))
+    target = TargetModel(model.float())
+    pool = KVPool.allocate(1, 8, PAGE, 2, 8, torch.float32, "cpu")
+    assert type(target_runner("auto", target, pool, max_positions=64)) is TargetRunner
+    with pytest.raises(ValueError, match="RoPE type 'dynamic'"):
+        FusedTargetRunner(target, pool, max_positions=64)
+
+
+def test_target_impl_is_validated():
+    with pytest.raises(ValueError, match="target_impl='fast': choose one of auto, fused, transformers"):
+        EngineConfig(target="t", target_impl="fast").validate()
