@@ -78,10 +78,11 @@ def resolve_seed(params: SamplingParams, rng: random.Random) -> int:
 class SamplingBatch:
     """Per-request sampling parameters of one batch as device tensors, built once per step."""
 
-    temperature: Tensor  # [N] float32; 0 for greedy requests
-    top_p: Tensor  # [N] float32
-    top_k: Tensor  # [N] int64; 0 = off
-    seed: Tensor  # [N] int64
+    # The four per-request tensors are None when every request is greedy (all_greedy).
+    temperature: Tensor | None  # [N] float32; 0 for greedy requests
+    top_p: Tensor | None  # [N] float32
+    top_k: Tensor | None  # [N] int64; 0 = off
+    seed: Tensor | None  # [N] int64
     sampled_requests: Tensor | None  # [Ns] int64: the non-greedy requests; None when all of them sample
     all_greedy: bool
     any_top_k: bool  # among sampling requests
@@ -94,6 +95,9 @@ class SamplingBatch:
         if len(params) != len(seeds):
             raise ValueError(f"{len(params)} sampling params but {len(seeds)} seeds")
         sampling = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampling:  # argmax needs none of the per-request tensors: no host-to-device copies
+            return cls(temperature=None, top_p=None, top_k=None, seed=None, sampled_requests=None, all_greedy=True,
+                       any_top_k=False, any_top_p=False, max_top_k=0, needs_full_sort=False)
         top_ks = [params[i].top_k for i in sampling if params[i].top_k > 0]
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),

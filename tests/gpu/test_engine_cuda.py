@@ -24,23 +24,24 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 V, B = 96, 6
 
 
-def _engine(target_model, drafter, *, graphs: bool, max_num_seqs=4):
+def _engine(target_model, drafter, *, graphs: bool, max_num_seqs=4, target_impl="auto"):
     target = TargetModel(target_model, drafter.config.target_layer_ids if drafter is not None else ())
     config = EngineConfig(target="tiny", device="cuda", kv_block_size=16, num_kv_blocks=128,
-                          max_num_seqs=max_num_seqs, cuda_graphs=graphs)
+                          max_num_seqs=max_num_seqs, cuda_graphs=graphs, target_impl=target_impl)
     return assemble_engine(config, target, drafter)
 
 
+@pytest.mark.parametrize("target_impl", ["fused", "transformers"])
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("with_drafter", [False, True])
-def test_cuda_engine_equals_plain_greedy(graphs, with_drafter):
+def test_cuda_engine_equals_plain_greedy(graphs, with_drafter, target_impl):
     model = tiny_target("qwen3", layers=4, vocab=V, seed=7).float().cuda()
     drafter = None
     if with_drafter:
         cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
                              layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
         drafter = random_drafter(cfg, seed=3, dtype=torch.float32).cuda()
-    engine = _engine(model, drafter, graphs=graphs)
+    engine = _engine(model, drafter, graphs=graphs, target_impl=target_impl)
     assert (engine.graphs is not None) == graphs
     prompts = [[1, 2, 3], list(range(5, 40)), [7] * 9]  # 3 sequences: a padded bucket of 4
     done = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40))
@@ -139,3 +140,41 @@ def test_injection_graphs_write_what_the_eager_injection_writes(rows):
     torch.cuda.synchronize()
     for eager_cache, graph_cache in ((pools[0].k, pools[1].k), (pools[0].v, pools[1].v)):
         torch.testing.assert_close(graph_cache[:, :scratch_block], eager_cache[:, :scratch_block])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_fused_forward_in_bf16_at_a_real_head_size_matches_transformers(family):
+    """The Triton path of every fused kernel (CPU runs cover the interpreter in float32 only)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from services.engine.fused_target import FusedTargetRunner
+    from services.engine.kv_cache import AttentionBatch
+    from services.engine.target_runner import TargetRunner
+
+    kinds = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    config_cls, model_cls = kinds[family]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                                 num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                                 max_position_embeddings=4096)).to(torch.bfloat16).cuda().eval()
+    target = TargetModel(model, (0, 2))
+    layers, heads, dim = TargetRunner.kv_shape(target)
+    outs = []
+    for cls, kwargs in ((TargetRunner, {}), (FusedTargetRunner, {"max_positions": 4096})):
+        pool = KVPool.allocate(layers, 64, 16, heads, dim, torch.bfloat16, "cuda")
+        runner = cls(target, pool, **kwargs)
+        g = torch.Generator().manual_seed(1)
+        tables = [list(range(0, 20)), list(range(20, 40))]
+        starts, results = [0, 0], []
+        for lens in ([300, 37], [16, 16]):  # a prefill of mixed lengths, then a verify block each
+            ids = torch.randint(0, 500, (sum(lens),), generator=g).cuda()
+            positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)]).cuda()
+            batch = AttentionBatch.build(tables, starts, lens, 16, "cuda")
+            results.append(runner.forward(ids, positions, batch, torch.arange(sum(lens), device="cuda")))
+            starts = [s + n for s, n in zip(starts, lens, strict=True)]
+        outs.append(results)
+    for (ref_logits, ref_features), (logits, features) in zip(*outs, strict=True):
+        for got, ref in ((logits, ref_logits), (features, ref_features)):
+            err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+            assert err < 2e-2, (family, err)
