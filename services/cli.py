@@ -8,6 +8,10 @@ import time
 
 import torch
 
+from services.config import TARGET_IMPLS
+
+TARGET_IMPL_HELP = "the target's forward: fused layers (Llama, Qwen2, Qwen3), transformers' layer code, or auto"
+
 
 def _inspect(args: argparse.Namespace) -> int:
     from services.models import CheckpointError, TargetLoadError, TargetModel, load_drafter
@@ -55,7 +59,8 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     config = EngineConfig(
-        target=target, drafter=drafter, device=args.device, dtype=args.dtype, cuda_graphs=not args.eager
+        target=target, drafter=drafter, device=args.device, dtype=args.dtype, cuda_graphs=not args.eager,
+        target_impl=args.target_impl,
     )
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
@@ -101,7 +106,8 @@ def _serve_config(args: argparse.Namespace):
     if args.config:
         return ServeConfig.from_yaml(args.config)
     target, drafter = resolve_pair(args.target, args.drafter)
-    engine = EngineConfig(target=target, drafter=drafter, device=args.device, dtype=args.dtype)
+    engine = EngineConfig(target=target, drafter=drafter, device=args.device, dtype=args.dtype,
+                          target_impl=args.target_impl)
     topology = args.topology or ("split" if drafter else "colocated")
     return ServeConfig(engine=engine, topology=topology, grpc_port=args.grpc_port, metrics_port=args.metrics_port)
 
@@ -199,7 +205,8 @@ def _bench(args: argparse.Namespace) -> int:
 
             target, drafter = resolve_pair(args.target, args.drafter)
             engine = build_engine(EngineConfig(target=target, drafter=drafter, device=args.device, dtype=args.dtype,
-                                               max_num_seqs=max(concurrencies), cuda_graphs=not args.eager))
+                                               max_num_seqs=max(concurrencies), cuda_graphs=not args.eager,
+                                               target_impl=args.target_impl))
             backend = EmbeddedBackend(engine)
         else:
             backend = GrpcBackend(args.address, timeout=args.timeout)
@@ -263,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--target-impl", default="auto", choices=TARGET_IMPLS, help=TARGET_IMPL_HELP)
     gen.add_argument("--eager", action="store_true", help="no CUDA graphs")
     gen.set_defaults(run=_generate)
 
@@ -273,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--topology", choices=["split", "colocated"])
     srv.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     srv.add_argument("--dtype", default="auto")
+    srv.add_argument("--target-impl", default="auto", choices=TARGET_IMPLS, help=TARGET_IMPL_HELP)
     srv.add_argument("--grpc-port", type=int, default=9000)
     srv.add_argument("--metrics-port", type=int, default=8080)
     srv.set_defaults(run=_serve)
@@ -304,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--drafter", help="--embedded: drafter; 'none': target-only")
     bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     bench.add_argument("--dtype", default="auto")
+    bench.add_argument("--target-impl", default="auto", choices=TARGET_IMPLS, help=TARGET_IMPL_HELP)
     bench.add_argument("--eager", action="store_true", help="--embedded: no CUDA graphs")
     bench.add_argument("--dataset", default="humaneval,gsm8k",
                        help="comma-separated: humaneval, gsm8k, math500, mbpp, alpaca, spec-bench, "

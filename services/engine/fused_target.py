@@ -132,7 +132,9 @@ class FusedTargetRunner:
         decoder = target.model.get_decoder()
         self.final_norm = decoder.norm.weight.detach()
         self.cos, self.sin = self._rope_table(_rotary(target), max_positions, target.dtype, target.device)
-        self.capture = {k: i for i, k in enumerate(target.layer_ids)}  # layer -> feature slot
+        self.capture: dict[int, list[int]] = {}  # layer -> its feature slots (a layer may be listed twice)
+        for slot, k in enumerate(target.layer_ids):
+            self.capture.setdefault(k, []).append(slot)
 
     @staticmethod
     def _rope_table(rotary: nn.Module, max_positions: int, dtype: torch.dtype, device: torch.device):
@@ -150,7 +152,7 @@ class FusedTargetRunner:
         """Packed tokens [T] at positions [T] -> (logits [K, V] of rows `logits_rows`, features [T, F*H])."""
         hidden = self.target.embed(input_ids)
         residual = None
-        features: list[torch.Tensor | None] = [None] * len(self.capture)
+        features: list[torch.Tensor | None] = [None] * len(self.target.layer_ids)
         for index, layer in enumerate(self.layers):
             if residual is None:
                 x, residual = rms_norm(hidden, layer.input_norm, self.eps), hidden
@@ -164,8 +166,7 @@ class FusedTargetRunner:
         return logits, torch.cat(features, dim=-1) if features else None
 
     def _keep(self, features: list, layer: int, residual: torch.Tensor) -> None:
-        slot = self.capture.get(layer)
-        if slot is not None:
+        for slot in self.capture.get(layer, ()):
             features[slot] = residual
 
     def _layer(self, index: int, layer: FusedLayer, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,

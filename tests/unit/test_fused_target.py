@@ -103,6 +103,18 @@ def test_fused_forward_equals_transformers_on_chunked_prefill_and_verify(index, 
                 assert relative(got[slot], states[k + 1][0]) < bound, name
 
 
+def test_a_layer_listed_twice_gives_its_feature_twice():
+    model = tiny_target("llama", layers=4).float()
+    target = TargetModel(model, (3, 0, 3))
+    layers, heads, dim = TargetRunner.kv_shape(target)
+    hf_runner = TargetRunner(target, KVPool.allocate(layers, 64, PAGE, heads, dim, torch.float32, "cpu"))
+    fused_runner = FusedTargetRunner(target, KVPool.allocate(layers, 64, PAGE, heads, dim, torch.float32, "cpu"),
+                                     max_positions=64)
+    for (_, hf_features), (_, features) in zip(paged_forwards(hf_runner, torch.float32)[0],
+                                               paged_forwards(fused_runner, torch.float32)[0], strict=True):
+        assert features.shape[-1] == 3 * 32 and torch.equal(features, hf_features)
+
+
 def test_fusing_shares_the_hf_weights_and_leaves_the_hf_model_working():
     model = tiny_target("qwen2", layers=4).float()
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
