@@ -11,6 +11,7 @@ import torch
 from services.config import TARGET_IMPLS
 
 TARGET_IMPL_HELP = "the target's forward: fused layers (Llama, Qwen2, Qwen3), transformers' layer code, or auto"
+SYNC_ROUNDS_HELP = "wait for each round's results before launching the next (async_scheduling off)"
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -60,7 +61,7 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     config = EngineConfig(
         target=target, drafter=drafter, device=args.device, dtype=args.dtype, cuda_graphs=not args.eager,
-        target_impl=args.target_impl,
+        target_impl=args.target_impl, async_scheduling=not args.sync_rounds,
     )
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
@@ -206,7 +207,8 @@ def _bench(args: argparse.Namespace) -> int:
             target, drafter = resolve_pair(args.target, args.drafter)
             engine = build_engine(EngineConfig(target=target, drafter=drafter, device=args.device, dtype=args.dtype,
                                                max_num_seqs=max(concurrencies), cuda_graphs=not args.eager,
-                                               target_impl=args.target_impl))
+                                               target_impl=args.target_impl,
+                                               async_scheduling=not args.sync_rounds))
             backend = EmbeddedBackend(engine)
         else:
             backend = GrpcBackend(args.address, timeout=args.timeout)
@@ -272,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--target-impl", default="auto", choices=TARGET_IMPLS, help=TARGET_IMPL_HELP)
     gen.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    gen.add_argument("--sync-rounds", action="store_true", help=SYNC_ROUNDS_HELP)
     gen.set_defaults(run=_generate)
 
     srv = sub.add_parser("serve", help="run the gRPC service (router, verifier, drafter) on a local Ray")
@@ -315,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="auto")
     bench.add_argument("--target-impl", default="auto", choices=TARGET_IMPLS, help=TARGET_IMPL_HELP)
     bench.add_argument("--eager", action="store_true", help="--embedded: no CUDA graphs")
+    bench.add_argument("--sync-rounds", action="store_true", help="--embedded: " + SYNC_ROUNDS_HELP)
     bench.add_argument("--dataset", default="humaneval,gsm8k",
                        help="comma-separated: humaneval, gsm8k, math500, mbpp, alpaca, spec-bench, "
                             "spec-bench/{translation,summarization,qa,math_reasoning,rag}")

@@ -39,6 +39,10 @@ class EngineConfig:
     # The target's forward: fused (our layer code and kernels: Llama, Qwen2, Qwen3 dense),
     # transformers (its own layer code, any causal LM), or auto (fused where it applies).
     target_impl: str = "auto"
+    # Launch each round before the host has read the last one's results, so sampling, stop
+    # checks and streaming overlap the GPU's work (with CUDA graphs and an in-process drafter, or
+    # none). Off: one host sync between rounds.
+    async_scheduling: bool = True
 
     def validate(self) -> None:
         if not self.target:

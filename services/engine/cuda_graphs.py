@@ -73,17 +73,8 @@ class RoundGraphs:
 
     def _batch(self, bucket: _Bucket) -> AttentionBatch:
         """The round's attention metadata, computed on the GPU from the static buffers."""
-        n, block, page = bucket.size, self.block, self.kv_block_size
-        positions = bucket.starts[:, None] + self._offsets
-        rows = torch.arange(n, device=self.device)[:, None].expand(n, block)
-        slots = bucket.block_tables[rows, positions // page].long() * page + positions % page
-        return AttentionBatch(
-            block_tables=bucket.block_tables,
-            seq_lens=(bucket.starts + block).to(torch.int32),
-            query_start=self._query_start[n],
-            slot_mapping=slots.flatten(),
-            max_query_len=block,
-        )
+        return AttentionBatch.for_round(bucket.block_tables, bucket.starts, self.block, self.kv_block_size,
+                                        self._query_start[bucket.size])
 
     def _draft(self, bucket: _Bucket) -> None:
         bucket.drafts = self.proposer.propose((), bucket.bonus, bucket.starts, self._batch(bucket))
@@ -144,17 +135,22 @@ class RoundGraphs:
     def bucket_for(self, n: int) -> _Bucket:
         return self._captured[next(b for b in self.buckets if b >= n)]
 
-    def load(self, bonus: list[int], starts: list[int], tables: list[list[int]]) -> _Bucket:
+    def load(self, bonus: list[int] | torch.Tensor, starts: list[int] | torch.Tensor,
+             tables: list[list[int]]) -> _Bucket:
         """Copy one round's inputs into the smallest bucket that holds them; padding rows point
         at the scratch blocks. One pinned staging buffer per bucket, one copy per buffer, filled
         through numpy views: ~20 small torch CPU ops cost 0.1–0.3 ms a round, numpy a few µs,
-        and in a split pair this sits on the critical path twice (drafter and verifier)."""
-        bucket = self.bucket_for(len(bonus))
-        n = len(bonus)
+        and in a split pair this sits on the critical path twice (drafter and verifier).
+        `bonus` and `starts` may be device tensors instead of lists: a chained round's, taken
+        from the last round's results, which the host has not read."""
+        n = len(tables)
+        bucket = self.bucket_for(n)
         bucket.staged.synchronize()  # the last copy out of this bucket's staging buffers is done
         ids, host_tables = bucket.host_ids.numpy(), bucket.host_tables.numpy()
-        ids[0, :n] = bonus
-        ids[1, :n] = starts
+        on_device = isinstance(bonus, torch.Tensor)
+        if not on_device:
+            ids[0, :n] = bonus
+            ids[1, :n] = starts
         ids[:, n:] = 0
         host_tables[:] = self._scratch_row_np
         for row, table in zip(host_tables, tables):
@@ -163,6 +159,9 @@ class RoundGraphs:
         bucket.starts.copy_(bucket.host_ids[1], non_blocking=True)
         bucket.block_tables.copy_(bucket.host_tables, non_blocking=True)
         bucket.staged.record()
+        if on_device:
+            bucket.bonus[:n].copy_(bonus)
+            bucket.starts[:n].copy_(starts)
         return bucket
 
     def load_drafts(self, bucket: _Bucket, drafts: list[int]) -> torch.Tensor:

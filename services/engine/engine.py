@@ -11,6 +11,15 @@ sequence (spec §3):  draft → verify → accept → commit → trim.
   the block); the target cache keeps s..s+a, and feature rows of slots 0..a — only those —
   become the drafter's next context;
 - trim: blocks past the cached positions go back to the pool.
+
+Chained rounds (`EngineConfig.async_scheduling`, on a GPU): accept runs on the device, and its
+results reach the host by an asynchronous copy. While the batch stays the same, the next round is
+launched from the device's bonus tokens and starts before the host has read them, so committing,
+stop checks and streaming of round r overlap the device's round r+1 (vLLM's async scheduling,
+SGLang's overlap scheduler). Its KV blocks are taken for two rounds ahead (num_cached + 2B), every
+slot's feature row is injected (rows past the accepted ones are never read: the next draft
+overwrites them first), and a round for a request that ended meanwhile is dropped unread. A new
+request, a preemption or a new drafter ends the chain: the host reads the round, then schedules.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import logging
 import random
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -41,15 +50,57 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepTimings:
-    """Seconds spent per phase, summed over steps (for benchmarks and metrics)."""
+    """Seconds per phase, summed over rounds (for benchmarks). draft, verify and accept (sampling
+    and acceptance) are device times on a GPU; host is the Python time spent launching and
+    finishing rounds, which overlaps the device's work when rounds are chained."""
 
     prefill: float = 0.0
     draft: float = 0.0
     verify: float = 0.0
     accept: float = 0.0
-    bookkeeping: float = 0.0
+    host: float = 0.0
     rounds: int = 0
-    sequences_per_round: list[int] = field(default_factory=list)
+
+
+class _PhaseClock:
+    """Phase boundaries of a round: CUDA events on a GPU, read once the round is done so the host
+    never waits between phases; wall-clock time on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """The time between consecutive marks (the round must be done)."""
+        pairs = zip(self.marks, self.marks[1:])
+        if self.cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in pairs]
+        return [b - a for a, b in pairs]
+
+
+@dataclass
+class _Round:
+    """A round queued on the device whose results the host has not read yet."""
+
+    seqs: list[Sequence]
+    proposer: Proposer | None
+    drafted: bool
+    results: torch.Tensor  # [n, 1+B] on the host: accepted drafts, then the target's token per slot
+    ready: torch.cuda.Event | None  # recorded after the copy of `results` (None: nothing to wait for)
+    next_bonus: torch.Tensor  # [n] on the device: where a round chained after this one starts
+    next_starts: torch.Tensor
+    clock: _PhaseClock
+    chainable: bool  # the next round may start from this one's device results (not a remote drafter)
+    remote_context: tuple | None  # a drafter in another process: (features, positions, slots) of every slot
 
 
 @dataclass
@@ -91,12 +142,14 @@ class Engine:
         self._ids = itertools.count()
         self._seed_rng = random.Random(0)
         self._outputs: list[RequestOutput] = []
+        self._in_flight: _Round | None = None  # launched, not read: the host works while it runs
+        # Chain rounds (`step`). On a CPU nothing overlaps, and a chained round after a request's
+        # last one is wasted work, so there only the tests turn it on (to run the same loop).
+        self.chain_rounds = config.async_scheduling and self.device.type == "cuda"
         self.graphs: RoundGraphs | None = None  # set by the loader on CUDA
         self.proposer_losses = 0
         # The rounds since the owner last drained it. Bounded: the embedded API never drains it.
         self.round_log: collections.deque[RoundRecord] = collections.deque(maxlen=4096)
-        # Benchmarks only: wait for the GPU between phases so the phase timings are device times.
-        self.sync_phase_timings = False
         # Benchmark-only: force the mean accepted length τ of every round (labelled wherever used).
         self.synthetic_tau: float | None = None
         self._synthetic_debt = 0.0
@@ -161,17 +214,52 @@ class Engine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
-        now = time.monotonic()
-        for chunk in plan.prefills:
-            if chunk.seq.scheduled_time is None:
-                chunk.seq.scheduled_time = now
-        if plan.prefills:
-            self._guarded(self._prefill, plan.prefills, [c.seq for c in plan.prefills])
-        if plan.decodes:
-            self._guarded(self._spec_round, plan.decodes, plan.decodes)
+        """Advance every request by one round (and prefill what fits). With chained rounds the
+        device runs this step's round while the host commits the last one's tokens: a step
+        returns the outputs of the round before."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and self._room_for_chained_round(previous):
+            # Same batch as the round still on the device: start the next one from its results
+            # there, then read it — the GPU never waits for Python between rounds.
+            self._in_flight = self._guarded(self._launch_round, previous.seqs, previous.seqs, previous)
+            self._guarded(self._finish_round, previous, previous.seqs, self.block_size)
+        else:
+            if previous is not None:
+                self._guarded(self._finish_round, previous, previous.seqs)
+            plan = self.scheduler.schedule()
+            now = time.monotonic()
+            for chunk in plan.prefills:
+                if chunk.seq.scheduled_time is None:
+                    chunk.seq.scheduled_time = now
+            if plan.prefills:
+                self._guarded(self._prefill, plan.prefills, [c.seq for c in plan.prefills])
+            if plan.decodes:
+                launched = self._guarded(self._launch_round, plan.decodes, plan.decodes)
+                if launched is not None and launched.chainable:
+                    self._in_flight = launched
+                elif launched is not None:
+                    self._guarded(self._finish_round, launched, launched.seqs)
         outputs, self._outputs = self._outputs, []
         return outputs
+
+    def _room_for_chained_round(self, previous: _Round) -> bool:
+        """Whether the next round can start before `previous` is read: the same sequences (none
+        ended, none waiting to be admitted, the same drafter) and KV blocks for both rounds."""
+        running = self.scheduler.running
+        if self.proposer is not previous.proposer or len(running) != len(previous.seqs):
+            return False
+        if any(a is not b for a, b in zip(running, previous.seqs)):
+            return False
+        if self.scheduler.waiting and len(running) < self.config.max_num_seqs:
+            return False  # admit them first
+        return self.scheduler.grow_for_chained_round(running)
+
+    def drain(self) -> None:
+        """Read the round still on the device, if any: before anything that changes the batch
+        or the caches outside the step loop (its outputs go out with the next step's)."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._guarded(self._finish_round, previous, previous.seqs)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
         """Run one request to completion, yielding its outputs as they come (other queued requests
@@ -205,10 +293,10 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------------
 
-    def _guarded(self, phase, work, seqs: list[Sequence]) -> None:
+    def _guarded(self, phase, work, seqs: list[Sequence], *args):
         """A failing forward fails its requests, frees their blocks and leaves the engine serving."""
         try:
-            phase(work)
+            return phase(work, *args)
         except Exception as err:  # noqa: BLE001 - any failure of a batch must not take the others down
             log.exception("engine step failed for %d request(s)", len(seqs))
             for seq in seqs:
@@ -253,32 +341,41 @@ class Engine:
                 self._commit(seq, [token])
         self.timings.prefill += time.perf_counter() - t0
 
-    def _spec_round(self, seqs: list[Sequence]) -> None:
+    def _launch_round(self, seqs: list[Sequence], previous: _Round | None = None) -> _Round:
+        """Queue one round for `seqs` on the device — draft, verify, sample, accept — and return
+        it unread; `_finish_round` commits it. With `previous` (the last round, which the host has
+        not read yet) the bonus tokens and starts come from its results on the device."""
         t0 = time.perf_counter()
         n, block = len(seqs), self.block_size
-        starts = [s.num_cached for s in seqs]
-        bonus_ids, tables = [s.bonus for s in seqs], [s.block_table for s in seqs]
+        tables = [s.block_table for s in seqs]
+        if previous is None:
+            bonus_ids, starts = [s.bonus for s in seqs], [s.num_cached for s in seqs]
+        else:
+            bonus_ids, starts = previous.next_bonus, previous.next_starts
         remote = hasattr(self.proposer, "request_drafts")
         if remote:  # first: the drafter works while this process prepares the verify
             try:
                 self.proposer.request_drafts([s.request_id for s in seqs], bonus_ids, starts, tables)
             except ProposerLost as err:
                 self._lose_proposer(err)
-                return self._spec_round(seqs)  # the same round, target-only
-        starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)
-        positions = starts_t[:, None] + torch.arange(block, device=self.device)
+                return self._launch_round(seqs)  # the same round, target-only
         graphs = self.graphs
         if graphs is not None and (n > graphs.max_batch or not graphs.fits(self.proposer, block)):
             graphs = None
         if graphs is not None:
             bucket = graphs.load(bonus_ids, starts, tables)
-            slots = None  # computed inside the graphs (bucket.slots after the verify replay)
+            bonus, starts_t = bucket.bonus[:n], bucket.starts[:n]
         else:
-            batch = AttentionBatch.build(tables, starts, [block] * n, self.allocator.block_size,
-                                         self.device)
-            bonus = torch.tensor(bonus_ids, dtype=torch.long, device=self.device)
-            slots = batch.slot_mapping
-        t1 = self._phase_mark()
+            if previous is None:
+                bonus = torch.tensor(bonus_ids, dtype=torch.long, device=self.device)
+                starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)
+            else:
+                bonus, starts_t = bonus_ids, starts
+            width = max(map(len, tables))
+            table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=self.device)
+            batch = AttentionBatch.for_round(table_t, starts_t, block, self.allocator.block_size)
+        positions = starts_t[:, None] + torch.arange(block, device=self.device)
+        clock = _PhaseClock(self.device)
 
         if self.proposer is None:
             drafts = None
@@ -295,8 +392,8 @@ class Engine:
                     drafts = torch.tensor(self.proposer.receive_drafts(), device=self.device).view(n, block - 1)
             except ProposerLost as err:
                 self._lose_proposer(err)
-                return self._spec_round(seqs)  # the same round, target-only
-        t2 = self._phase_mark()
+                return self._launch_round(seqs, previous)  # the same round, target-only
+        clock.mark()
 
         if graphs is not None:
             graphs.verify(bucket)
@@ -306,43 +403,72 @@ class Engine:
             block_ids = bonus[:, None] if drafts is None else torch.cat([bonus[:, None], drafts.to(bonus)], dim=1)
             rows = torch.arange(n * block, device=self.device)
             logits, features = self.runner.forward(block_ids.flatten(), positions.flatten(), batch, rows)
-        t3 = self._phase_mark()
+            slots = batch.slot_mapping
+        clock.mark()
 
+        context = (features, positions.flatten(), slots) if self.proposer is not None else None
+        if context is not None and not remote:
+            # Every slot's row, accepted or not, without waiting to know which: the rows past the
+            # accepted ones lie at or after the next round's start, where its draft writes its own
+            # block before it attends, so they are never read.
+            self.proposer.inject_context(*context)
+            context = None
         # The token sampled at slot j is the one at position s+j+1.
         target_tokens = sample_tokens(logits.view(n, block, -1), self._sampling_batch(seqs), positions + 1)
-        accepted = accept_drafts(drafts, target_tokens) if drafts is not None else torch.zeros(n, dtype=torch.long)
+        if drafts is None:
+            accepted = torch.zeros(n, dtype=torch.long, device=self.device)
+        else:
+            accepted = accept_drafts(drafts, target_tokens)
         if self.synthetic_tau is not None:
             accepted = torch.full_like(accepted, self._synthetic_accept_length(block))
-        accepted_list, tokens_list = accepted.tolist(), target_tokens.tolist()  # the step's one host sync
-        t4 = self._phase_mark()
+        clock.mark()
+        results = torch.cat([accepted[:, None], target_tokens], dim=1)
+        ready = None
+        if results.is_cuda:  # to the host without waiting for it: `_finish_round` waits
+            results = results.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        self.timings.host += time.perf_counter() - t0
+        return _Round(
+            seqs=seqs, proposer=self.proposer, drafted=drafts is not None, results=results, ready=ready,
+            next_bonus=target_tokens.gather(1, accepted[:, None])[:, 0], next_starts=starts_t + accepted + 1,
+            clock=clock, chainable=self.chain_rounds and not remote, remote_context=context,
+        )
 
-        keep_rows = []
-        for i, (seq, a) in enumerate(zip(seqs, accepted_list, strict=True)):
-            if drafts is not None:
+    def _finish_round(self, rnd: _Round, lookahead: int = 0) -> None:
+        """Read a round's results and commit them. `lookahead`: KV positions past the new cached
+        ones to keep, for a round already launched after this one."""
+        if rnd.ready is not None:
+            rnd.ready.synchronize()
+        t0 = time.perf_counter()  # the host's own time, not its wait for the device
+        block = rnd.results.shape[1] - 1
+        keep_rows, accepted = [], []
+        for i, (seq, row) in enumerate(zip(rnd.seqs, rnd.results.tolist(), strict=True)):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # cancelled since, or ended by the round before this one
+            a = row[0]
+            accepted.append(a)
+            if rnd.drafted:
                 seq.stats.record(block - 1, a)
-            seq.num_cached = starts[i] + a + 1
-            self._commit(seq, tokens_list[i][: a + 1])
+            seq.num_cached += a + 1
+            self._commit(seq, row[1 : a + 2])
             if seq.status is SequenceStatus.RUNNING:  # a finished one's blocks are already free
                 keep_rows.extend(range(i * block, i * block + a + 1))
-        if self.proposer is not None and keep_rows:
+                self.scheduler.trim(seq, lookahead)
+        if rnd.remote_context is not None and keep_rows and self.proposer is rnd.proposer:
             rows_t = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
             try:
-                self.proposer.inject_context(features[rows_t], positions.flatten()[rows_t], slots[rows_t])
+                self.proposer.inject_context(*(t[rows_t] for t in rnd.remote_context))
             except ProposerLost as err:
                 self._lose_proposer(err)
-        for seq in seqs:
-            if seq.status is SequenceStatus.RUNNING:
-                self.scheduler.trim(seq)
-        t5 = self._phase_mark()
-
-        self.round_log.append(RoundRecord(block - 1 if drafts is not None else 0, accepted_list, t2 - t1, t3 - t2))
+        draft_s, verify_s, accept_s = rnd.clock.seconds()
+        self.round_log.append(RoundRecord(block - 1 if rnd.drafted else 0, accepted, draft_s, verify_s))
         tm = self.timings
-        tm.draft += t2 - t1
-        tm.verify += t3 - t2
-        tm.accept += t4 - t3
-        tm.bookkeeping += (t1 - t0) + (t5 - t4)
+        tm.draft += draft_s
+        tm.verify += verify_s
+        tm.accept += accept_s
+        tm.host += time.perf_counter() - t0
         tm.rounds += 1
-        tm.sequences_per_round.append(n)
 
     def _lose_proposer(self, err: Exception) -> None:
         log.warning("drafter lost (%s): continuing target-only until it is back", err)
@@ -354,6 +480,7 @@ class Engine:
         """Speculate again with a (new) drafter. Its context is empty, so every running sequence
         is preempted and prefilled again — which rebuilds the drafter's context from the committed
         tokens alone; their outputs so far are kept and the results stay lossless."""
+        self.drain()
         self.scheduler.preempt_all()
         self.proposer = proposer
         self.block_size = self.scheduler.lookahead = proposer.block_size
@@ -364,13 +491,6 @@ class Engine:
         a = min(int(self._synthetic_debt + 0.5), block - 1)
         self._synthetic_debt -= a
         return a
-
-    def _phase_mark(self) -> float:
-        """A timestamp between phases; with `sync_phase_timings` (benchmarks) the GPU work queued
-        so far is waited for first, so the phase times are device times, at some cost in speed."""
-        if self.sync_phase_timings and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         return SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs], self.device)

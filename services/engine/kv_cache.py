@@ -120,3 +120,17 @@ class AttentionBatch:
             slot_mapping=slots.to(device),
             max_query_len=max(query_lens, default=0),
         )
+
+    @classmethod
+    def for_round(cls, block_tables: torch.Tensor, starts: torch.Tensor, block: int, page: int,
+                  query_start: torch.Tensor | None = None) -> AttentionBatch:
+        """A round's batch — `block` new tokens per sequence from `starts` [N] — computed on the
+        device from device tensors, so a round can be queued before the host knows its starts."""
+        n = starts.shape[0]
+        positions = starts[:, None] + torch.arange(block, device=starts.device)
+        rows = torch.arange(n, device=starts.device)[:, None].expand(n, block)
+        slots = block_tables[rows, positions // page].long() * page + positions % page
+        if query_start is None:
+            query_start = torch.arange(0, (n + 1) * block, block, dtype=torch.int32, device=starts.device)
+        return cls(block_tables=block_tables, seq_lens=(starts + block).to(torch.int32), query_start=query_start,
+                   slot_mapping=slots.flatten(), max_query_len=block)

@@ -118,7 +118,9 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
     allocator = BlockAllocator(blocks - scratch, config.kv_block_size)
     max_len = config.max_model_len or int(getattr(target.config, "max_position_embeddings", 0) or 32768)
     pool = KVPool.allocate(t_layers, blocks, config.kv_block_size, t_heads, t_dim, dtype, device)
-    runner = target_runner(config.target_impl, target, pool, max_positions=max_len + lookahead)
+    # A round chained after one not yet read may start a whole block further on (Engine.step).
+    max_positions = max_len + 2 * lookahead
+    runner = target_runner(config.target_impl, target, pool, max_positions=max_positions)
     proposer = None
     if drafter is not None:
         draft_pool = KVPool.allocate(d_layers, blocks, config.kv_block_size, d_heads, d_dim, dtype, device)
@@ -129,7 +131,7 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
     if use_graphs:
         engine.graphs = RoundGraphs(
             runner, proposer, block=lookahead, kv_block_size=config.kv_block_size,
-            max_blocks=-(-(max_len + lookahead) // config.kv_block_size),
+            max_blocks=-(-max_positions // config.kv_block_size),
             scratch_blocks=list(range(blocks - scratch, blocks)),
             buckets=tuple(sorted({b for b in DEFAULT_BUCKETS if b < config.max_num_seqs} | {config.max_num_seqs})),
             external_drafts=remote_drafter is not None,

@@ -58,9 +58,22 @@ class Scheduler:
             self.waiting.remove(seq)
         self.allocator.release(seq.block_table)
 
-    def trim(self, seq: Sequence) -> None:
-        """After a round: keep blocks for the cached positions only (rejected slots go back)."""
-        self.allocator.trim(seq.block_table, seq.num_cached)
+    def trim(self, seq: Sequence, lookahead: int = 0) -> None:
+        """After a round: keep blocks for the cached positions (and `lookahead` more, which a
+        round already launched writes); the rejected slots' blocks go back."""
+        self.allocator.trim(seq.block_table, seq.num_cached + lookahead)
+
+    def grow_for_chained_round(self, seqs: list[Sequence]) -> bool:
+        """Blocks for a round launched before the last one is read: that one may have accepted
+        its whole block, so the new one may write up to num_cached + 2 * lookahead. All or
+        nothing: False (not enough free blocks) changes no table."""
+        ends = [s.num_cached + 2 * self.lookahead for s in seqs]
+        missing = sum(max(0, self.allocator.blocks_for(end) - len(s.block_table)) for s, end in zip(seqs, ends))
+        if missing > self.allocator.num_free:
+            return False
+        for seq, end in zip(seqs, ends, strict=True):
+            self.allocator.grow(seq.block_table, end)
+        return True
 
     @property
     def num_unfinished(self) -> int:

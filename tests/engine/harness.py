@@ -16,6 +16,7 @@ from services.models import DFlashDraftModel, TargetModel
 
 # The target forward every engine test runs on; tests/engine/conftest.py runs the suite once per value.
 TARGET_IMPL = "auto"
+CHAIN_ROUNDS = False  # Engine.chain_rounds: on a GPU by default, forced here to run that loop on the CPU
 
 
 def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = None, num_blocks=256, kv_block_size=4,
@@ -32,8 +33,10 @@ def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = Non
         proposer = DraftRunner(drafter, target, pool)
     config = EngineConfig(target="tiny", kv_block_size=kv_block_size, num_kv_blocks=num_blocks,
                           max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens)
-    return Engine(runner, proposer, BlockAllocator(num_blocks, kv_block_size), config, tokenizer=tokenizer,
-                  eos_token_ids=eos, max_model_len=max_model_len)
+    engine = Engine(runner, proposer, BlockAllocator(num_blocks, kv_block_size), config, tokenizer=tokenizer,
+                    eos_token_ids=eos, max_model_len=max_model_len)
+    engine.chain_rounds = CHAIN_ROUNDS
+    return engine
 
 
 @torch.no_grad()

@@ -16,6 +16,7 @@ import torch
 from services.engine.sampling import SamplingParams
 from services.engine.stopping import FinishReason
 from tests.conftest import drafter_config, random_drafter
+from tests.engine import harness
 from tests.engine.harness import OracleProposer, build_engine, hf_greedy
 from tests.targets import tiny_target
 
@@ -75,9 +76,10 @@ def test_greedy_spec_equals_target_only_for_every_acceptance_with_joins_and_canc
             continue
         assert seq.finish_reason is FinishReason.LENGTH
         assert seq.output_ids == expected[: max_tokens[i]], rid
-        # Recorded acceptance equals the planted pattern, round by round.
-        planned = oracle.planned[rid]
-        assert seq.stats.rounds == len(planned)
+        # Recorded acceptance equals the planted pattern, round by round. A chained round launched
+        # before the host read the request's last one was proposed too, then dropped unread.
+        planned = oracle.planned[rid][: seq.stats.rounds]
+        assert len(oracle.planned[rid]) - seq.stats.rounds in ((0, 1) if harness.CHAIN_ROUNDS else (0,))
         counts = _histogram(planned)
         assert seq.stats.accepted_per_position == [sum(counts[j + 1 :]) for j in range(B - 1)]
         assert seq.stats.accepted_tokens == sum(planned)

@@ -59,7 +59,7 @@ def test_first_tokens_follow_the_target_distribution():
         def propose(self, request_ids, bonus_ids, starts, batch):
             # The greedy continuation of each sequence's actual tokens so far is not known to the
             # oracle; drafting the unconditional greedy tokens is fine: any drafts are lossless.
-            return torch.tensor([greedy[s + 1 : s + B] for s in starts.tolist()])
+            return torch.tensor([(greedy[s + 1 : s + B] + [0] * B)[: B - 1] for s in starts.tolist()])
 
     engine = build_engine(target, proposer=GreedyDrafts(B, vocab, refs, {}), max_num_seqs=512,
                           max_prefill_tokens=4096, num_blocks=4096)

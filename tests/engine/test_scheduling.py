@@ -178,3 +178,40 @@ def test_a_lost_drafter_falls_back_to_target_only_and_a_new_one_takes_over_lossl
         seq = engine.sequences[rid]
         assert seq.finish_reason is FinishReason.LENGTH and seq.output_ids == refs[rid][len(p) : len(p) + 40]
     assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_chained_rounds_run_a_round_ahead_and_fall_back_when_blocks_run_short(target):
+    """With chained rounds the drafter is asked for round r+1 before the host has read round r:
+    while a request decodes, one more round is planned than committed, and its KV blocks cover
+    both rounds. When the free blocks cannot hold two rounds, steps fall back to one host sync
+    per round — and the output is the target's either way, with every block back at the end."""
+    prompts = [[5, 6, 7, 8, 9], [40, 41]]
+    refs, oracle = _oracle(target, prompts, 30)
+    engine = build_engine(target, proposer=oracle)
+    engine.chain_rounds = True
+    for rid, p in zip(refs, prompts, strict=True):
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=30), rid)
+    ahead = 0
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            if len(oracle.planned[seq.request_id]) == seq.stats.rounds + 1:  # a round on the device
+                ahead += 1
+                assert len(seq.block_table) * 4 >= seq.num_cached + B
+    assert ahead > 10, "no round was ever chained"
+    for rid, p in zip(refs, prompts, strict=True):
+        assert engine.sequences[rid].output_ids == refs[rid][len(p) : len(p) + 30]
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+    # 8 blocks of 4 tokens: 5 + 23 tokens and one round's lookahead fit, near the end two do not.
+    refs, oracle = _oracle(target, prompts[:1], 23)
+    tight = build_engine(target, proposer=oracle, num_blocks=8, kv_block_size=4)
+    tight.chain_rounds = True
+    tight.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=23), "q0")
+    grown, grow = [], tight.scheduler.grow_for_chained_round
+    tight.scheduler.grow_for_chained_round = lambda seqs: grown.append(grow(seqs)) or grown[-1]
+    while tight.has_unfinished():
+        tight.step()
+    assert True in grown and False in grown, grown  # chained, then synced for lack of blocks
+    assert tight.sequences["q0"].output_ids == refs["q0"][5:28]
+    assert tight.allocator.num_free == tight.allocator.num_blocks

@@ -24,27 +24,33 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 V, B = 96, 6
 
 
-def _engine(target_model, drafter, *, graphs: bool, max_num_seqs=4, target_impl="auto"):
+def _engine(target_model, drafter, *, graphs: bool, max_num_seqs=4, target_impl="auto", async_scheduling=True):
     target = TargetModel(target_model, drafter.config.target_layer_ids if drafter is not None else ())
     config = EngineConfig(target="tiny", device="cuda", kv_block_size=16, num_kv_blocks=128,
-                          max_num_seqs=max_num_seqs, cuda_graphs=graphs, target_impl=target_impl)
+                          max_num_seqs=max_num_seqs, cuda_graphs=graphs, target_impl=target_impl,
+                          async_scheduling=async_scheduling)
     return assemble_engine(config, target, drafter)
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["chained", "synced"])
 @pytest.mark.parametrize("target_impl", ["fused", "transformers"])
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("with_drafter", [False, True])
-def test_cuda_engine_equals_plain_greedy(graphs, with_drafter, target_impl):
+def test_cuda_engine_equals_plain_greedy(graphs, with_drafter, target_impl, async_scheduling):
     model = tiny_target("qwen3", layers=4, vocab=V, seed=7).float().cuda()
     drafter = None
     if with_drafter:
         cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
                              layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
         drafter = random_drafter(cfg, seed=3, dtype=torch.float32).cuda()
-    engine = _engine(model, drafter, graphs=graphs, target_impl=target_impl)
-    assert (engine.graphs is not None) == graphs
+    engine = _engine(model, drafter, graphs=graphs, target_impl=target_impl, async_scheduling=async_scheduling)
+    assert (engine.graphs is not None) == graphs and engine.chain_rounds == async_scheduling
     prompts = [[1, 2, 3], list(range(5, 40)), [7] * 9]  # 3 sequences: a padded bucket of 4
+    chained = []
+    launch = engine._launch_round
+    engine._launch_round = lambda seqs, previous=None: chained.append(previous is not None) or launch(seqs, previous)
     done = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40))
+    assert any(chained) == async_scheduling
     with torch.no_grad():
         for prompt, seq in zip(prompts, done, strict=True):
             assert seq.output_ids == hf_greedy(model, prompt, 40)
