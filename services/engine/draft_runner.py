@@ -1,9 +1,10 @@
 """The drafter on the paged KV cache: fused context KV injection and the block forward.
 
-The model code is `services.models.draft` itself; this file only supplies where its keys and
-values live (a `KVPool` addressed by the same block tables as the target's) and the fused
-injection path (one stacked GEMM for all layers' k/v projections, then one kernel for
-k_norm + RoPE + paged write).
+The model code is `services.models.draft`; this file runs it on a `KVPool` addressed by the same
+block tables as the target's, in the fused layout: the injection is one stacked GEMM for all
+layers' k/v projections and one kernel for k_norm + RoPE + paged write, and the block forward
+is the target's fused decoder stack (`FusedStack`: merged QKV and gate-up GEMMs, fused norms,
+RoPE + KV write and SiLU·mul) over the drafter's layers — tested equal to the model code.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Protocol
 
 import torch
 
-from kernels import inject_context_kv, paged_attention
+from kernels import inject_context_kv
+from services.engine.fused_target import FusedLayer, FusedStack
 from services.engine.kv_cache import AttentionBatch, KVPool
 from services.models.draft import DFlashDraftModel
 from services.models.draft_config import DFlashDraftConfig
@@ -47,46 +49,26 @@ class Proposer(Protocol):
                 batch: AttentionBatch) -> torch.Tensor: ...
 
 
-class PagedDraftContext:
-    """`DraftAttentionContext` over the drafter's KV pool: block K/V go to the lookahead slots
-    (positions s..s+B-1, overwritten by the next round's context rows), then one paged attention."""
-
-    def __init__(self, pool: KVPool, batch: AttentionBatch):
-        self.pool = pool
-        self.batch = batch
-
-    def attend(self, layer, q, k, v, positions, *, causal, window):
-        n, heads, block, head_dim = q.shape
-        pack = lambda x: x.transpose(1, 2).reshape(n * block, x.shape[1], head_dim)  # noqa: E731
-        self.pool.write(layer, self.batch.slot_mapping, pack(k), pack(v))
-        out = paged_attention(
-            pack(q),
-            self.pool.k[layer],
-            self.pool.v[layer],
-            self.batch.block_tables,
-            self.batch.seq_lens,
-            self.batch.query_start,
-            scale=head_dim**-0.5,
-            causal=causal,
-            window=window,
-            max_query_len=block,
-        )
-        return out.view(n, block, heads, head_dim).transpose(1, 2)
-
-
 class DraftRunner:
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel, pool: KVPool):
         self.drafter = drafter
         self.target = target
         self.pool = pool
-        self.block_size = drafter.config.block_size
+        cfg = drafter.config
+        self.block_size = cfg.block_size
         attns = [layer.self_attn for layer in drafter.layers]
         # [L*2*nkv*hd, H]: k then v of layer 0, then layer 1, … (matches the [T, L, 2, nkv, hd] view)
         self.kv_weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])
-        self.kv_bias = (
-            torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]) if drafter.config.attention_bias else None
-        )
+        self.kv_bias = torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]) if cfg.attention_bias else None
         self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])
+        # The block forward in the target's fused layout (the drafter's layers are Qwen3 layers
+        # whose attention may be non-causal): the model code in services.models.draft stays the
+        # reference, and its parameters become views of the merged weights.
+        with torch.no_grad():
+            layers = [FusedLayer.from_layer(layer, scaling=cfg.head_dim**-0.5, window=layer.window, causal=layer.causal)
+                      for layer in drafter.layers]
+        self.stack = FusedStack(layers, drafter.norm.weight.detach(), pool, cfg.num_attention_heads,
+                                cfg.num_key_value_heads, cfg.rms_norm_eps)
 
     @staticmethod
     def kv_shape(cfg: DFlashDraftConfig) -> tuple[int, int, int]:
@@ -108,5 +90,19 @@ class DraftRunner:
     def propose(self, request_ids, bonus_ids, starts, batch) -> torch.Tensor:
         """Greedy drafts [N, B-1] for the tokens after each bonus token (spec §3.2: argmax drafts,
         verified by exact match against the target's own samples, are lossless at any temperature)."""
-        logits = self.drafter.draft_logits(self.target, bonus_ids, starts, PagedDraftContext(self.pool, batch))
-        return logits.argmax(dim=-1)
+        return self.draft_logits(bonus_ids, starts, batch).argmax(dim=-1)
+
+    def draft_logits(self, bonus_ids: torch.Tensor, starts: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """`DFlashDraftModel.draft_logits` [N, B-1, V] over the paged pool: the block's keys and
+        values go to its lookahead slots (positions s..s+B-1, overwritten by the next round's
+        context rows) and attend over context + block."""
+        drafter, block = self.drafter, self.block_size
+        n = bonus_ids.shape[0]
+        block_ids = torch.full((n, block), drafter.config.mask_token_id, device=bonus_ids.device)
+        block_ids[:, 0] = bonus_ids
+        embeds = drafter.embed_block(self.target, block_ids).to(drafter.dtype).view(n * block, -1)
+        positions = (starts[:, None] + torch.arange(block, device=starts.device)).flatten()
+        cos, sin = drafter.rotary.cos_sin_half(positions, drafter.dtype)
+        rows = torch.arange(n * block, device=starts.device)  # row t takes cos/sin[t]
+        hidden = self.stack.forward(embeds, rows, cos, sin, batch)
+        return drafter.logits(self.target, hidden.view(n, block, -1)[:, 1:])

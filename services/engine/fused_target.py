@@ -93,9 +93,11 @@ class FusedLayer:
     k_norm: torch.Tensor | None
     scaling: float
     window: int | None
+    causal: bool
 
     @classmethod
-    def from_hf(cls, layer: nn.Module) -> FusedLayer:
+    def from_layer(cls, layer: nn.Module, *, scaling: float, window: int | None, causal: bool = True) -> FusedLayer:
+        """From a Llama/Qwen-style layer (HF's, or the drafter's: the same module names)."""
         attn, mlp = layer.self_attn, layer.mlp
         qkv, qkv_bias = _merged([attn.q_proj, attn.k_proj, attn.v_proj])
         gate_up, gate_up_bias = _merged([mlp.gate_proj, mlp.up_proj])
@@ -109,9 +111,57 @@ class FusedLayer:
             down=mlp.down_proj.weight.detach(), down_bias=_param(mlp.down_proj.bias),
             q_norm=None if q_norm is None else q_norm.weight.detach(),
             k_norm=None if k_norm is None else k_norm.weight.detach(),
-            scaling=float(attn.scaling),
-            window=getattr(attn, "sliding_window", None),
+            scaling=scaling, window=window, causal=causal,
         )
+
+
+@dataclass
+class FusedStack:
+    """Decoder layers in the fused layout over one paged KV pool: the target's, or the drafter's
+    block forward (the same layer, non-causal where the drafter says so)."""
+
+    layers: list[FusedLayer]
+    final_norm: torch.Tensor
+    pool: KVPool
+    num_heads: int
+    num_kv_heads: int
+    eps: float
+
+    def forward(self, hidden: torch.Tensor, rope_index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: AttentionBatch, on_residual=None) -> torch.Tensor:
+        """Packed rows [T, H] -> final-normed hidden states [T, H]. Row t is rotated by
+        cos/sin[rope_index[t]]; `on_residual(k, residual)` sees the residual stream after layer k
+        (it is the sum the next fused add produces)."""
+        residual = None
+        for index, layer in enumerate(self.layers):
+            if residual is None:
+                x, residual = rms_norm(hidden, layer.input_norm, self.eps), hidden
+            else:
+                x, residual = add_rms_norm(hidden, residual, layer.input_norm, self.eps)
+                if on_residual is not None:
+                    on_residual(index - 1, residual)
+            hidden, residual = self._layer(index, layer, x, residual, rope_index, cos, sin, batch)
+        x, residual = add_rms_norm(hidden, residual, self.final_norm, self.eps)
+        if on_residual is not None:
+            on_residual(len(self.layers) - 1, residual)
+        return x
+
+    def _layer(self, index: int, layer: FusedLayer, x: torch.Tensor, residual: torch.Tensor,
+               rope_index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer after its input norm -> (its MLP output, the residual it is added to)."""
+        k_cache, v_cache = self.pool.k[index], self.pool.v[index]
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q = rope_kv_write(qkv, rope_index, cos, sin, batch.slot_mapping, k_cache, v_cache,
+                          num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                          q_norm_weight=layer.q_norm, k_norm_weight=layer.k_norm, eps=self.eps)
+        attn = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start,
+                               scale=layer.scaling, causal=layer.causal, window=layer.window,
+                               max_query_len=batch.max_query_len)
+        hidden = F.linear(attn.view(attn.shape[0], -1), layer.o, layer.o_bias)
+        x, residual = add_rms_norm(hidden, residual, layer.post_attention_norm, self.eps)
+        mlp = silu_mul(F.linear(x, layer.gate_up, layer.gate_up_bias))
+        return F.linear(mlp, layer.down, layer.down_bias), residual
 
 
 class FusedTargetRunner:
@@ -124,13 +174,13 @@ class FusedTargetRunner:
         self.target = target
         self.pool = pool
         cfg = target.config
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.eps = float(cfg.rms_norm_eps)
+        num_heads = cfg.num_attention_heads
         with torch.no_grad():
-            self.layers = [FusedLayer.from_hf(layer) for layer in target.layers]
-        decoder = target.model.get_decoder()
-        self.final_norm = decoder.norm.weight.detach()
+            layers = [FusedLayer.from_layer(layer, scaling=float(layer.self_attn.scaling),
+                                            window=getattr(layer.self_attn, "sliding_window", None))
+                      for layer in target.layers]
+        self.stack = FusedStack(layers, target.model.get_decoder().norm.weight.detach(), pool, num_heads,
+                                getattr(cfg, "num_key_value_heads", None) or num_heads, float(cfg.rms_norm_eps))
         self.cos, self.sin = self._rope_table(_rotary(target), max_positions, target.dtype, target.device)
         self.capture: dict[int, list[int]] = {}  # layer -> its feature slots (a layer may be listed twice)
         for slot, k in enumerate(target.layer_ids):
@@ -150,37 +200,12 @@ class FusedTargetRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, logits_rows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Packed tokens [T] at positions [T] -> (logits [K, V] of rows `logits_rows`, features [T, F*H])."""
-        hidden = self.target.embed(input_ids)
-        residual = None
         features: list[torch.Tensor | None] = [None] * len(self.target.layer_ids)
-        for index, layer in enumerate(self.layers):
-            if residual is None:
-                x, residual = rms_norm(hidden, layer.input_norm, self.eps), hidden
-            else:
-                x, residual = add_rms_norm(hidden, residual, layer.input_norm, self.eps)
-                self._keep(features, index - 1, residual)
-            hidden, residual = self._layer(index, layer, x, residual, positions, batch)
-        x, residual = add_rms_norm(hidden, residual, self.final_norm, self.eps)
-        self._keep(features, len(self.layers) - 1, residual)
+
+        def keep(layer: int, residual: torch.Tensor) -> None:
+            for slot in self.capture.get(layer, ()):
+                features[slot] = residual
+
+        x = self.stack.forward(self.target.embed(input_ids), positions, self.cos, self.sin, batch, keep)
         logits = self.target.logits(x[logits_rows])
         return logits, torch.cat(features, dim=-1) if features else None
-
-    def _keep(self, features: list, layer: int, residual: torch.Tensor) -> None:
-        for slot in self.capture.get(layer, ()):
-            features[slot] = residual
-
-    def _layer(self, index: int, layer: FusedLayer, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
-               batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder layer after its input norm -> (its MLP output, the residual it is added to)."""
-        k_cache, v_cache = self.pool.k[index], self.pool.v[index]
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-        q = rope_kv_write(qkv, positions, self.cos, self.sin, batch.slot_mapping, k_cache, v_cache,
-                          num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                          q_norm_weight=layer.q_norm, k_norm_weight=layer.k_norm, eps=self.eps)
-        attn = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start,
-                               scale=layer.scaling, causal=True, window=layer.window,
-                               max_query_len=batch.max_query_len)
-        hidden = F.linear(attn.view(attn.shape[0], -1), layer.o, layer.o_bias)
-        x, residual = add_rms_norm(hidden, residual, layer.post_attention_norm, self.eps)
-        mlp = silu_mul(F.linear(x, layer.gate_up, layer.gate_up_bias))
-        return F.linear(mlp, layer.down, layer.down_bias), residual

@@ -70,12 +70,16 @@ class RotaryEmbedding:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] (long) -> cos, sin [..., head_dim] in `dtype`."""
+        cos, sin = self.cos_sin_half(positions, dtype)
+        return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+    def cos_sin_half(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [...] (long) -> cos, sin [..., head_dim/2]: rotate-half repeats them."""
         angle_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         inv_freq = self._by_device.get(positions.device)
         if inv_freq is None:
             inv_freq = self._by_device.setdefault(positions.device, self.inv_freq.to(positions.device))
         angles = positions.to(angle_dtype)[..., None] * inv_freq.to(angle_dtype)
-        angles = torch.cat([angles, angles], dim=-1)
         return (angles.cos() * self.attention_scaling).to(dtype), (angles.sin() * self.attention_scaling).to(dtype)
 
 

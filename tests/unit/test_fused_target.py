@@ -122,7 +122,7 @@ def test_fusing_shares_the_hf_weights_and_leaves_the_hf_model_working():
         before = model(input_ids=ids).logits
     _, _, fused = runners(model, torch.float32)
     attn = model.model.layers[0].self_attn
-    layer = fused.layers[0]
+    layer = fused.stack.layers[0]
     # q/k/v are row blocks of the merged weight: one copy of each weight in memory.
     assert attn.q_proj.weight.data_ptr() == layer.qkv.data_ptr()
     assert attn.v_proj.bias.data_ptr() == layer.qkv_bias[-attn.v_proj.bias.numel():].data_ptr()
