@@ -50,8 +50,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepTimings:
-    """Seconds per phase, summed over rounds (for benchmarks). draft, verify and accept (sampling
-    and acceptance) are device times on a GPU; host is the Python time spent launching and
+    """Seconds per phase, summed over rounds (for benchmarks). draft, verify and accept (the
+    drafter's context injection, sampling and acceptance) are device times on a GPU; host is the Python time spent launching and
     finishing rounds, which overlaps the device's work when rounds are chained."""
 
     prefill: float = 0.0
@@ -406,13 +406,15 @@ class Engine:
             slots = batch.slot_mapping
         clock.mark()
 
-        context = (features, positions.flatten(), slots) if self.proposer is not None else None
-        if context is not None and not remote:
-            # Every slot's row, accepted or not, without waiting to know which: the rows past the
-            # accepted ones lie at or after the next round's start, where its draft writes its own
-            # block before it attends, so they are never read.
-            self.proposer.inject_context(*context)
-            context = None
+        # Every slot's feature row, accepted or not, without waiting to know which: the rows past
+        # the accepted ones lie at or after the next round's start, where its draft writes its own
+        # block before it attends, so they are never read. A drafter in another process gets the
+        # accepted rows only, once they are known (`_finish_round`).
+        context = (features, positions.flatten(), slots) if remote else None
+        if graphs is not None and graphs.proposer is not None:
+            graphs.inject(bucket)
+        elif self.proposer is not None and not remote:
+            self.proposer.inject_context(features, positions.flatten(), slots)
         # The token sampled at slot j is the one at position s+j+1.
         target_tokens = sample_tokens(logits.view(n, block, -1), self._sampling_batch(seqs), positions + 1)
         if drafts is None:
