@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             shared = []
             proposer = RemoteProposer.connect(address, target=target, block_size=drafter.config.block_size,
                                               kv_block_size=16, num_kv_blocks=engine.runner.pool.k.shape[1],
-                                              capacity_rows=8192 + batch * 32, shared=shared, graphs=engine.graphs)
+                                              capacity_rows=8192 + batch * 32, max_num_seqs=batch, shared=shared,
+                                              graphs=engine.graphs)
             engine.attach_proposer(proposer)
             run_case(engine, batch, args.prompt_len, 40)  # warm-up (the drafter's first kernels, its KV pool)
             proposer.drain_transport_seconds()

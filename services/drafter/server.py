@@ -3,7 +3,9 @@
 The verifier says Hello once: it names the shared buffers (its ring of committed feature rows,
 and its embedding and LM head, which the drafter uses rather than loading the target again) and
 the KV geometry (block ids are the verifier's: one block table per sequence addresses both
-pools). Then each StepRequest injects the new feature rows and drafts a block per sequence.
+pools). Then each StepRequest injects the new feature rows and drafts a block per sequence —
+after the bonus tokens of the request, or, for a chained round, after those the verifier's
+device wrote into `chained_inputs` (it says when its writes are done: `OpenedWritesDone`).
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from services.engine.cuda_graphs import InjectionGraphs, RoundGraphs
 from services.engine.draft_runner import DraftRunner
 from services.engine.kv_cache import AttentionBatch, KVPool
 from services.models import DFlashDraftModel, load_drafter
-from services.transport import BUSY_POLL_SECONDS, ChannelClosed, FrameListener, open_shared, read_rows
+from services.transport import BUSY_POLL_SECONDS, ChannelClosed, FrameListener, OpenedWritesDone, open_shared, read_rows
 
 log = logging.getLogger(__name__)
-PROTOCOL = drafter_pb2.PROTOCOL_VERSION_1
+PROTOCOL = drafter_pb2.PROTOCOL_VERSION_2
+# How long a step waits for the verifier's device to finish writing what the step names.
+WRITES_DONE_TIMEOUT_SECONDS = 60.0
 
 
 class SharedTargetHead:
@@ -57,8 +61,9 @@ class DrafterSession:
         cfg = drafter.config
         if hello.block_size != cfg.block_size:
             raise ValueError(f"verifier expects block size {hello.block_size}, this drafter drafts {cfg.block_size}")
-        self._opened = [open_shared(b) for b in (hello.features, hello.embedding, hello.lm_head)]
-        self.features, embedding, lm_head = (o.tensor for o in self._opened)
+        self._opened = [open_shared(b) for b in (hello.features, hello.embedding, hello.lm_head, hello.chained_inputs)]
+        self.features, embedding, lm_head, self.chained_inputs = (o.tensor for o in self._opened)
+        self.writes_done = OpenedWritesDone(hello.writes_done_event, drafter.device)
         head = SharedTargetHead(embedding, lm_head, hello.embedding_scale, hello.final_logit_softcapping)
         if not 0 <= cfg.mask_token_id < embedding.shape[0]:
             raise ValueError(f"mask_token_id={cfg.mask_token_id} is not a row of the target embedding ({embedding.shape[0]})")
@@ -83,6 +88,7 @@ class DrafterSession:
         self.steps = 0
 
     def step(self, req: drafter_pb2.StepRequest) -> drafter_pb2.StepResult:
+        waited = self.writes_done.wait(WRITES_DONE_TIMEOUT_SECONDS)
         t0 = time.perf_counter()
         device = self.runner.drafter.device
         if req.features.rows:
@@ -102,20 +108,25 @@ class DrafterSession:
             result.draft_tokens.extend(self._draft(req).flatten().tolist())
         self.steps += 1
         result.draft_seconds = time.perf_counter() - t0
+        result.wait_seconds = waited
         return result
 
     def _draft(self, req: drafter_pb2.StepRequest) -> torch.Tensor:
         n, device = len(req.request_ids), self.runner.drafter.device
         tables = [list(t.blocks) for t in req.block_tables]
+        if req.chained:  # the verifier's device wrote them (done: `step` waited for it)
+            bonus, starts = self.chained_inputs[0, :n], self.chained_inputs[1, :n]
+        else:
+            bonus, starts = list(req.bonus_tokens), list(req.starts)
         if self.graphs is not None and n <= self.graphs.max_batch:
-            bucket = self.graphs.load(list(req.bonus_tokens), list(req.starts), tables)
+            bucket = self.graphs.load(bonus, starts, tables)
             self.graphs.draft(bucket)
             return bucket.drafts[:n]
         block = self.runner.block_size
-        batch = AttentionBatch.build(tables, list(req.starts), [block] * n, self.kv_block_size, device)
-        bonus = torch.tensor(req.bonus_tokens, dtype=torch.long, device=device)
-        starts = torch.tensor(req.starts, dtype=torch.long, device=device)
-        return self.runner.propose(list(req.request_ids), bonus, starts, batch)
+        starts_t = torch.as_tensor(starts, dtype=torch.long).to(device)
+        batch = AttentionBatch.build(tables, starts_t.tolist(), [block] * n, self.kv_block_size, device)
+        bonus_t = torch.as_tensor(bonus, dtype=torch.long).to(device)
+        return self.runner.propose(list(req.request_ids), bonus_t, starts_t, batch)
 
     def close(self) -> None:
         for opened in self._opened:

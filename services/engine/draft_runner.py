@@ -34,8 +34,9 @@ class Proposer(Protocol):
     Raising `ProposerLost` from either method makes the engine drop the proposer and decode
     target-only (still lossless) until `Engine.attach_proposer` gives it a new one.
 
-    A drafter in another process implements `request_drafts` (host lists: bonus tokens, starts,
-    block tables) and `receive_drafts` (the drafts, [n, block-1] row-major) instead of `propose`:
+    A drafter in another process implements `request_drafts` (bonus tokens and starts as host
+    lists, or as device tensors for a chained round; block tables) and `receive_drafts` (the
+    drafts, [n, block-1] row-major) instead of `propose`:
     the engine sends the request first and prepares its verify while the drafter works, and
     needs no per-round GPU metadata for it (the verify replays a CUDA graph that reads the
     drafts from a static buffer).

@@ -20,6 +20,8 @@ SGLang's overlap scheduler). Its KV blocks are taken for two rounds ahead (num_c
 slot's feature row is injected (rows past the accepted ones are never read: the next draft
 overwrites them first), and a round for a request that ended meanwhile is dropped unread. A new
 request, a preemption or a new drafter ends the chain: the host reads the round, then schedules.
+A drafter in another process chains too: its draft request goes out first, naming bonus tokens
+that only the device knows yet, and the host commits the last round while the drafter drafts.
 """
 
 from __future__ import annotations
@@ -99,8 +101,9 @@ class _Round:
     next_bonus: torch.Tensor  # [n] on the device: where a round chained after this one starts
     next_starts: torch.Tensor
     clock: _PhaseClock
-    chainable: bool  # the next round may start from this one's device results (not a remote drafter)
+    chainable: bool  # the next round may start from this one's device results
     remote_context: tuple | None  # a drafter in another process: (features, positions, slots) of every slot
+    finished: bool = False  # read and committed
 
 
 @dataclass
@@ -355,10 +358,12 @@ class Engine:
         remote = hasattr(self.proposer, "request_drafts")
         if remote:  # first: the drafter works while this process prepares the verify
             try:
+                if previous is not None:  # which of its slots are accepted is not known yet: all of them
+                    self._send_every_slot(previous)
                 self.proposer.request_drafts([s.request_id for s in seqs], bonus_ids, starts, tables)
             except ProposerLost as err:
                 self._lose_proposer(err)
-                return self._launch_round(seqs)  # the same round, target-only
+                return self._launch_round(seqs, previous)  # the same round, target-only
         graphs = self.graphs
         if graphs is not None and (n > graphs.max_batch or not graphs.fits(self.proposer, block)):
             graphs = None
@@ -375,6 +380,8 @@ class Engine:
             table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=self.device)
             batch = AttentionBatch.for_round(table_t, starts_t, block, self.allocator.block_size)
         positions = starts_t[:, None] + torch.arange(block, device=self.device)
+        if remote and previous is not None:  # the host commits the last round while the drafter drafts
+            self._finish_round(previous, block)
         clock = _PhaseClock(self.device)
 
         if self.proposer is None:
@@ -434,12 +441,27 @@ class Engine:
         return _Round(
             seqs=seqs, proposer=self.proposer, drafted=drafts is not None, results=results, ready=ready,
             next_bonus=target_tokens.gather(1, accepted[:, None])[:, 0], next_starts=starts_t + accepted + 1,
-            clock=clock, chainable=self.chain_rounds and not remote, remote_context=context,
+            clock=clock, chainable=self.chain_rounds, remote_context=context,
         )
+
+    def _send_every_slot(self, rnd: _Round) -> None:
+        """Give a drafter in another process the feature rows of every slot of `rnd` before the
+        host has read which were accepted (see the module doc). Their positions and KV slots come
+        from the host's cached counts, which `rnd` has not advanced yet: no wait for the device."""
+        features = rnd.remote_context[0]
+        rnd.remote_context = None  # `_finish_round` must not send the accepted ones again
+        kv, block = self.allocator.block_size, self.block_size
+        positions = [p for seq in rnd.seqs for p in range(seq.num_cached, seq.num_cached + block)]
+        tables = [seq.block_table for seq in rnd.seqs for _ in range(block)]
+        slots = [table[p // kv] * kv + p % kv for table, p in zip(tables, positions)]
+        self.proposer.inject_context(features, positions, slots)
 
     def _finish_round(self, rnd: _Round, lookahead: int = 0) -> None:
         """Read a round's results and commit them. `lookahead`: KV positions past the new cached
         ones to keep, for a round already launched after this one."""
+        if rnd.finished:  # a chained round with a remote drafter reads its predecessor itself
+            return
+        rnd.finished = True
         if rnd.ready is not None:
             rnd.ready.synchronize()
         t0 = time.perf_counter()  # the host's own time, not its wait for the device

@@ -16,7 +16,15 @@ from services.transport.channel import (
     FrameTooLarge,
     connect,
 )
-from services.transport.shared_buffer import FeatureRing, OpenedTensor, SharedTensor, open_shared, read_rows
+from services.transport.shared_buffer import (
+    FeatureRing,
+    OpenedTensor,
+    OpenedWritesDone,
+    SharedTensor,
+    WritesDone,
+    open_shared,
+    read_rows,
+)
 
 __all__ = [
     "BUSY_POLL_SECONDS",
@@ -28,7 +36,9 @@ __all__ = [
     "FrameListener",
     "FrameTooLarge",
     "OpenedTensor",
+    "OpenedWritesDone",
     "SharedTensor",
+    "WritesDone",
     "connect",
     "open_shared",
     "read_rows",

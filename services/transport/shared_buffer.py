@@ -12,6 +12,7 @@ import mmap
 import os
 import re
 import secrets
+import time
 from multiprocessing.shared_memory import SharedMemory
 
 import torch
@@ -214,7 +215,8 @@ class FeatureRing:
     """Rows written one block after another into a shared [capacity, width] buffer, wrapping to
     row 0 when a block does not fit before the end; each block is named by a `KVBlockHandle`.
 
-    One writer; the peer reads a block before it answers the step that named it, and the owner
+    One writer; the peer reads a block before it answers the step that named it (on CUDA, once
+    the owner's `WritesDone` says the copy in is done), and the owner
     waits for that answer, so no locks. A writer that sends several blocks before reading the
     answers must not lap the peer: `can_write` says whether a block would overwrite unread rows,
     `mark_read` says the peer has answered every block so far.
@@ -248,24 +250,15 @@ class FeatureRing:
         self._unread = 0
 
     def write(self, rows: torch.Tensor) -> drafter_pb2.KVBlockHandle:
-        """Copy rows [n, width] in and return their handle. On CUDA the copy is complete when this
-        returns, so the handle may go to another process at once."""
+        """Copy rows [n, width] in and return their handle. On CUDA the copy is only queued: record
+        a `WritesDone` after it and before the handle leaves."""
         if rows.dim() != 2 or rows.shape[1] != self.width:
             raise ValueError(f"feature ring {self.shared.buffer_id!r} holds rows of width {self.width}, "
                              f"got shape {list(rows.shape)}")
         n = rows.shape[0]
         start, skipped = self._placement(n)
         if n:
-            buffer = self.shared.tensor
-            buffer[start:start + n].copy_(rows)
-            if buffer.is_cuda:
-                # The peer's kernels are ordered after nothing of ours, so the copy must be done
-                # before the handle leaves. Synchronizing the stream that ran it costs little here:
-                # the verifier has already synchronized on the accept decision that produced these
-                # rows, so only the gather and this copy are queued. An interprocess event would
-                # spare the host wait but needs a field the protocol does not have and an event
-                # opened by the peer; revisit if the handoff ever shows in step profiles.
-                torch.cuda.current_stream(buffer.device).synchronize()
+            self.shared.tensor[start:start + n].copy_(rows)
         # A wrap skips the tail rows; counting them as unread keeps the unread rows one span.
         self._unread = min(self.capacity, self._unread + skipped + n if self._unread else n)
         self._next_row = start + n
@@ -284,3 +277,42 @@ def read_rows(buffer: OpenedTensor | torch.Tensor, handle: drafter_pb2.KVBlockHa
         raise ValueError(f"handle names rows [{handle.row_offset}, {end}) of {handle.buffer_id!r}, "
                          f"which has {buffer.shape[0]} rows")
     return buffer[handle.row_offset:end]
+
+
+class WritesDone:
+    """Tells a peer process that the GPU writes this process has queued to shared buffers are
+    done, without this host waiting for them: an interprocess CUDA event recorded after the
+    writes and before the frame that names them. The peer waits for it on its host
+    (`OpenedWritesDone.wait`), not on a stream: should this process die first, a peer stream
+    waiting on its event would stay blocked for good. On CPU a write is done when it returns,
+    so there is nothing to record or wait for (`handle` is empty)."""
+
+    def __init__(self, device: torch.device):
+        self.event = torch.cuda.Event(interprocess=True) if device.type == "cuda" else None
+
+    @property
+    def handle(self) -> bytes:
+        return b"" if self.event is None else bytes(self.event.ipc_handle())
+
+    def record(self) -> None:
+        if self.event is not None:
+            self.event.record()
+
+
+class OpenedWritesDone:
+    """The peer's side of a `WritesDone`."""
+
+    def __init__(self, handle: bytes, device: torch.device):
+        self.event = torch.cuda.Event.from_ipc_handle(device, handle) if handle else None
+
+    def wait(self, timeout: float) -> float:
+        """Return once the owner's writes recorded so far are done (busy-polling: the peer's next
+        kernels should start the moment they are); the seconds waited. TimeoutError after `timeout`."""
+        if self.event is None:
+            return 0.0
+        t0 = time.perf_counter()
+        deadline = t0 + timeout
+        while not self.event.query():
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"the peer's shared-buffer writes were not done within {timeout} s")
+        return time.perf_counter() - t0

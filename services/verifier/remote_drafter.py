@@ -7,6 +7,12 @@ waiting, and the reply to the next draft request drains both. On a GPU the reply
 polling, not sleeping (`BUSY_POLL_SECONDS`). Any channel failure, timeout or drafter error
 raises `ProposerLost`: the engine then decodes target-only until a new drafter is attached.
 
+A chained round (Engine: launched before the host has read the last one) asks for drafts after
+bonus tokens and starts that exist only on this process's device: they are copied into a shared
+buffer (`chained_inputs`) on the device, and the request goes out at once. Every frame is sent
+after recording a `WritesDone` event, which the drafter waits for before it reads the ring or
+those inputs, so this host never waits for its own device to hand work over.
+
 The drafts come back in the reply, not through a shared GPU buffer ordered by a CUDA IPC event:
 a stream waiting on another process's event stays blocked for good if that process dies before
 the event completes (seen on an H100: the verifier's GPU work hangs, not just one round), and a
@@ -24,15 +30,18 @@ from services.api.dflash.v1 import drafter_pb2
 from services.engine.cuda_graphs import RoundGraphs
 from services.engine.draft_runner import ProposerLost
 from services.models import TargetModel
-from services.transport import BUSY_POLL_SECONDS, ChannelClosed, FeatureRing, SharedTensor, connect
+from services.transport import BUSY_POLL_SECONDS, ChannelClosed, FeatureRing, SharedTensor, WritesDone, connect
 
-PROTOCOL = drafter_pb2.PROTOCOL_VERSION_1
+PROTOCOL = drafter_pb2.PROTOCOL_VERSION_2
 
 
 class RemoteProposer:
-    def __init__(self, channel, ring: FeatureRing, block_size: int, capacity_rows: int, *, timeout: float):
+    def __init__(self, channel, ring: FeatureRing, chained_inputs: torch.Tensor, writes_done: WritesDone,
+                 block_size: int, capacity_rows: int, *, timeout: float):
         self.channel = channel
         self.ring = ring
+        self.chained_inputs = chained_inputs
+        self.writes_done = writes_done
         self.block_size = block_size
         self.capacity_rows = capacity_rows
         self.timeout = timeout
@@ -43,28 +52,32 @@ class RemoteProposer:
         self._requested_at = 0.0
         self._busy_poll = BUSY_POLL_SECONDS if ring.shared.tensor.is_cuda else 0.0
         # Per draft request: time from sending it to having the reply, beyond the drafter's own
-        # time on that step (its injection included): the channel, framing, earlier injections
-        # it was still doing, and whatever of this process's verify preparation outlasted it.
+        # time on that step (its injection included) and its wait for this process's device: the
+        # channel, framing, earlier injections it was still doing, and whatever of this process's
+        # own work meanwhile (preparing the verify, committing the last round) outlasted it.
         self._transport_seconds: collections.deque[float] = collections.deque(maxlen=4096)
         self.draft_seconds: collections.deque[float] = collections.deque(maxlen=4096)  # the drafter's, per request
 
     @classmethod
     def connect(cls, address, *, target: TargetModel, block_size: int, kv_block_size: int, num_kv_blocks: int,
-                capacity_rows: int, shared: list[SharedTensor], graphs: RoundGraphs | None = None,
-                timeout: float = 30.0) -> RemoteProposer:
+                capacity_rows: int, max_num_seqs: int, shared: list[SharedTensor],
+                graphs: RoundGraphs | None = None, timeout: float = 30.0) -> RemoteProposer:
         """Open the channel and say Hello; `shared` receives the buffers the verifier must keep alive.
         With the verifier's `graphs`, the drafter captures its forward for the same batch sizes."""
         width = target.hidden_size * len(target.layer_ids)
         features = SharedTensor.allocate("features", (capacity_rows, width), target.dtype, target.device)
         embedding = SharedTensor.wrap("embedding", target.input_embeddings.weight.detach())
         lm_head = SharedTensor.wrap("lm_head", target.lm_head.weight.detach())
-        shared.extend([features, embedding, lm_head])
+        chained_inputs = SharedTensor.allocate("chained_inputs", (2, max_num_seqs), torch.long, target.device)
+        shared.extend([features, embedding, lm_head, chained_inputs])
+        writes_done = WritesDone(target.device)
         scale = getattr(target.input_embeddings, "embed_scale", 1.0)
         hello = drafter_pb2.Hello(
             protocol_version=PROTOCOL, features=features.describe(), kv_block_size=kv_block_size,
             num_kv_blocks=num_kv_blocks, block_size=block_size, embedding=embedding.describe(),
             lm_head=lm_head.describe(), embedding_scale=float(scale),
             final_logit_softcapping=float(target.final_logit_softcapping or 0.0),
+            chained_inputs=chained_inputs.describe(), writes_done_event=writes_done.handle,
         )
         if graphs is not None:
             hello.graph_batch_sizes.extend(graphs.buckets)
@@ -79,9 +92,13 @@ class RemoteProposer:
         if reply.error:
             channel.close()
             raise ValueError(f"the drafter refused this verifier: {reply.error}")
-        return cls(channel, FeatureRing(features), block_size, capacity_rows, timeout=timeout)
+        return cls(channel, FeatureRing(features), chained_inputs.tensor, writes_done, block_size, capacity_rows,
+                   timeout=timeout)
 
-    def inject_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+    def inject_context(self, features: torch.Tensor, positions: torch.Tensor | list[int],
+                       slots: torch.Tensor | list[int]) -> None:
+        """Queue `features` for the drafter's context; positions and slots as host lists, or as
+        tensors (read here: on a device, that waits for it)."""
         rows = features.shape[0]
         if rows == 0:
             return
@@ -90,16 +107,24 @@ class RemoteProposer:
             self._drain()  # once the drafter has answered, every row is read and the ring may wrap
         handle = self.ring.write(features)
         self._send_pending()  # injections reach the drafter in the order they were made
-        self._pending = drafter_pb2.StepRequest(features=handle, positions=positions.tolist(), slots=slots.tolist())
+        as_list = lambda x: x.tolist() if isinstance(x, torch.Tensor) else x  # noqa: E731
+        self._pending = drafter_pb2.StepRequest(features=handle, positions=as_list(positions), slots=as_list(slots))
 
-    def request_drafts(self, request_ids: list[str], bonus: list[int], starts: list[int],
+    def request_drafts(self, request_ids: list[str], bonus: list[int] | torch.Tensor, starts: list[int] | torch.Tensor,
                        tables: list[list[int]]) -> None:
         """Ask for a block of drafts for the tokens after each bonus token; `receive_drafts` waits
-        for them."""
+        for them. `bonus` and `starts` as device tensors (a chained round's) go through the shared
+        `chained_inputs`, copied there on the device without waiting for it."""
         step, self._pending = self._pending or drafter_pb2.StepRequest(), None
         step.request_ids.extend(request_ids)
-        step.bonus_tokens.extend(bonus)
-        step.starts.extend(starts)
+        if isinstance(bonus, torch.Tensor):
+            n = len(request_ids)
+            self.chained_inputs[0, :n].copy_(bonus)
+            self.chained_inputs[1, :n].copy_(starts)
+            step.chained = True
+        else:
+            step.bonus_tokens.extend(bonus)
+            step.starts.extend(starts)
         step.block_tables.extend(drafter_pb2.BlockTable(blocks=t) for t in tables)
         self._send(step)
         self._requested = len(request_ids)
@@ -108,7 +133,8 @@ class RemoteProposer:
     def receive_drafts(self) -> list[int]:
         """The drafts asked for last, [n, block-1] row-major."""
         result = self._drain()
-        self._transport_seconds.append(time.perf_counter() - self._requested_at - result.draft_seconds)
+        self._transport_seconds.append(
+            time.perf_counter() - self._requested_at - result.draft_seconds - result.wait_seconds)
         self.draft_seconds.append(result.draft_seconds)
         n = self._requested
         if result.num_sequences != n or len(result.draft_tokens) != n * (self.block_size - 1):
@@ -138,6 +164,7 @@ class RemoteProposer:
         self._step += 1
         step.protocol_version = PROTOCOL
         step.step = self._step
+        self.writes_done.record()  # after every write this frame names: the drafter waits for it
         try:
             self.channel.send(drafter_pb2.DrafterRequest(step=step))
         except (ChannelClosed, OSError) as err:

@@ -11,6 +11,7 @@ from services.drafter.server import DrafterServer
 from services.engine.sampling import SamplingParams
 from services.verifier.remote_drafter import RemoteProposer
 from tests.conftest import drafter_config, random_drafter
+from tests.engine import harness
 from tests.engine.harness import build_engine, hf_greedy
 from tests.targets import tiny_target
 
@@ -31,7 +32,8 @@ def _remote_engine(target, drafter, shared):
     engine = build_engine(target, proposer=_Placeholder(drafter))  # captures the drafter's layers
     proposer = RemoteProposer.connect(server.address, target=engine.runner.target, block_size=B,
                                       kv_block_size=engine.allocator.block_size,
-                                      num_kv_blocks=engine.runner.pool.k.shape[1], capacity_rows=64, shared=shared)
+                                      num_kv_blocks=engine.runner.pool.k.shape[1], capacity_rows=64,
+                                      max_num_seqs=engine.config.max_num_seqs, shared=shared)
     engine.attach_proposer(proposer)
     return engine, server, proposer
 
@@ -50,7 +52,12 @@ def test_remote_drafter_matches_local_drafter_and_plain_greedy(pair):
     local = build_engine(target, drafter=drafter).generate(prompts, SamplingParams(temperature=0.0, max_tokens=30))
     shared = []
     engine, server, proposer = _remote_engine(target, drafter, shared)
+    chained, request = [], proposer.request_drafts
+    proposer.request_drafts = lambda ids, bonus, *rest: (chained.append(isinstance(bonus, torch.Tensor)),
+                                                         request(ids, bonus, *rest))
     remote = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30))
+    # Chained rounds name their bonus tokens from the last round's results, unread by the host.
+    assert any(chained) == harness.CHAIN_ROUNDS and not all(chained)
     for prompt, a, b in zip(prompts, local, remote, strict=True):
         assert b.output_ids == a.output_ids == hf_greedy(target, prompt, 30)
         assert b.stats.accepted_per_position == a.stats.accepted_per_position  # the same drafts, remotely
@@ -80,3 +87,33 @@ def test_a_dropped_channel_falls_back_to_target_only_without_failing_requests(pa
         assert seq.error is None and seq.output_ids == hf_greedy(target, prompt, 40)
     for buffer in shared:
         buffer.close()
+
+
+def test_seeded_sampling_through_the_remote_drafter_equals_the_local_drafter(pair):
+    target, drafter = pair
+    prompts = [[1, 2, 3, 4], list(range(10, 30)), [7] * 6]
+    params = [SamplingParams(temperature=1.0, top_k=20, seed=s, max_tokens=25) for s in (3, 4, 5)]
+    local = build_engine(target, drafter=drafter).generate(prompts, params)
+    shared = []
+    engine, _, proposer = _remote_engine(target, drafter, shared)
+    remote = engine.generate(prompts, params)
+    for a, b in zip(local, remote, strict=True):
+        assert b.output_ids == a.output_ids and len(b.output_ids) == 25
+        assert b.stats.accepted_per_position == a.stats.accepted_per_position
+    proposer.close()
+    for buffer in shared:
+        buffer.close()
+
+
+def test_a_verifier_speaking_another_protocol_version_is_refused_with_the_reason(pair):
+    from services.api.dflash.v1 import drafter_pb2
+    from services.transport import connect
+
+    _, drafter = pair
+    server = DrafterServer(drafter)
+    server.start()
+    channel = connect(server.address, timeout=10)
+    channel.send(drafter_pb2.DrafterRequest(hello=drafter_pb2.Hello(protocol_version=drafter_pb2.PROTOCOL_VERSION_1)))
+    reply = channel.recv(drafter_pb2.DrafterReply, timeout=10).hello
+    assert reply.error == "protocol version 1 is not supported; this drafter speaks 2"
+    channel.close()

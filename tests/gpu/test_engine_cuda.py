@@ -108,7 +108,7 @@ def test_split_drafter_over_cuda_ipc_matches_the_colocated_engine(graphs, tmp_pa
     engine = assemble_engine(config, target, None, remote_drafter=drafter.config)
     shared = []
     proposer = RemoteProposer.connect(address, target=target, block_size=B, kv_block_size=16,
-                                      num_kv_blocks=engine.runner.pool.k.shape[1], capacity_rows=256, shared=shared,
+                                      num_kv_blocks=engine.runner.pool.k.shape[1], capacity_rows=256, max_num_seqs=4, shared=shared,
                                       graphs=engine.graphs)
     engine.attach_proposer(proposer)
     assert (engine.graphs is not None and engine.graphs.fits(proposer, B)) == graphs

@@ -20,7 +20,9 @@ from services.transport import (
     FrameError,
     FrameListener,
     FrameTooLarge,
+    OpenedWritesDone,
     SharedTensor,
+    WritesDone,
     connect,
     open_shared,
     read_rows,
@@ -52,7 +54,8 @@ def _peer_main(conn) -> None:
         if tensor.is_cuda:
             torch.cuda.synchronize()
 
-    def rows(buffer_id: str, handle: bytes):
+    def rows(buffer_id: str, handle: bytes, writes_done: bytes = b""):
+        OpenedWritesDone(writes_done, opened[buffer_id].tensor.device).wait(timeout=10)
         return read_rows(opened[buffer_id], drafter_pb2.KVBlockHandle.FromString(handle)).float().cpu().tolist()
 
     def close(buffer_id: str):
@@ -535,12 +538,15 @@ def test_cuda_buffer_opened_in_a_spawned_child(peer):
 def test_cuda_feature_ring_read_in_a_spawned_child(peer):
     shared = SharedTensor.allocate("ring", (16, 64), torch.bfloat16, "cuda")
     ring = FeatureRing(shared)
+    writes_done = WritesDone(shared.tensor.device)
     try:
         peer("open", shared.describe().SerializeToString())
         for n, first in ((5, 0.0), (9, 10.0), (6, 20.0), (16, 30.0)):  # the third block wraps
+            torch.cuda._sleep(50_000_000)  # the copy in is still queued when the handle leaves
             block = (torch.arange(n * 64, device="cuda").view(n, 64) % 251 + first).to(torch.bfloat16)
-            handle = ring.write(block)  # no synchronize here: write() must have made the rows visible
-            assert peer("rows", "ring", handle.SerializeToString()) == block.float().tolist()
+            handle = ring.write(block)  # no synchronize here: the peer waits for the event
+            writes_done.record()
+            assert peer("rows", "ring", handle.SerializeToString(), writes_done.handle) == block.float().tolist()
         peer("close", "ring")
     finally:
         shared.close()

@@ -11,8 +11,10 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_1: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_2: _ClassVar[ProtocolVersion]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_1: ProtocolVersion
+PROTOCOL_VERSION_2: ProtocolVersion
 
 class SharedBuffer(_message.Message):
     __slots__ = ("buffer_id", "shm_name", "cuda_ipc_handle", "storage_offset", "shape", "dtype", "device")
@@ -43,7 +45,7 @@ class KVBlockHandle(_message.Message):
     def __init__(self, buffer_id: _Optional[str] = ..., row_offset: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "features", "kv_block_size", "num_kv_blocks", "block_size", "embedding", "lm_head", "embedding_scale", "final_logit_softcapping", "graph_batch_sizes", "max_blocks_per_sequence", "scratch_blocks")
+    __slots__ = ("protocol_version", "features", "kv_block_size", "num_kv_blocks", "block_size", "embedding", "lm_head", "embedding_scale", "final_logit_softcapping", "graph_batch_sizes", "max_blocks_per_sequence", "scratch_blocks", "chained_inputs", "writes_done_event")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +58,8 @@ class Hello(_message.Message):
     GRAPH_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     SCRATCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CHAINED_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    WRITES_DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     features: SharedBuffer
     kv_block_size: int
@@ -68,7 +72,9 @@ class Hello(_message.Message):
     graph_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
     max_blocks_per_sequence: int
     scratch_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., features: _Optional[_Union[SharedBuffer, _Mapping]] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., embedding: _Optional[_Union[SharedBuffer, _Mapping]] = ..., lm_head: _Optional[_Union[SharedBuffer, _Mapping]] = ..., embedding_scale: _Optional[float] = ..., final_logit_softcapping: _Optional[float] = ..., graph_batch_sizes: _Optional[_Iterable[int]] = ..., max_blocks_per_sequence: _Optional[int] = ..., scratch_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    chained_inputs: SharedBuffer
+    writes_done_event: bytes
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., features: _Optional[_Union[SharedBuffer, _Mapping]] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., embedding: _Optional[_Union[SharedBuffer, _Mapping]] = ..., lm_head: _Optional[_Union[SharedBuffer, _Mapping]] = ..., embedding_scale: _Optional[float] = ..., final_logit_softcapping: _Optional[float] = ..., graph_batch_sizes: _Optional[_Iterable[int]] = ..., max_blocks_per_sequence: _Optional[int] = ..., scratch_blocks: _Optional[_Iterable[int]] = ..., chained_inputs: _Optional[_Union[SharedBuffer, _Mapping]] = ..., writes_done_event: _Optional[bytes] = ...) -> None: ...
 
 class HelloReply(_message.Message):
     __slots__ = ("protocol_version", "error", "drafter", "block_size")
@@ -89,7 +95,7 @@ class BlockTable(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("protocol_version", "step", "features", "positions", "slots", "request_ids", "bonus_tokens", "starts", "block_tables")
+    __slots__ = ("protocol_version", "step", "features", "positions", "slots", "request_ids", "bonus_tokens", "starts", "block_tables", "chained")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +105,7 @@ class StepRequest(_message.Message):
     BONUS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STARTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
+    CHAINED_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     step: int
     features: KVBlockHandle
@@ -108,23 +115,26 @@ class StepRequest(_message.Message):
     bonus_tokens: _containers.RepeatedScalarFieldContainer[int]
     starts: _containers.RepeatedScalarFieldContainer[int]
     block_tables: _containers.RepeatedCompositeFieldContainer[BlockTable]
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., step: _Optional[int] = ..., features: _Optional[_Union[KVBlockHandle, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ...) -> None: ...
+    chained: bool
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., step: _Optional[int] = ..., features: _Optional[_Union[KVBlockHandle, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., chained: bool = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("protocol_version", "step", "draft_tokens", "num_sequences", "error", "draft_seconds")
+    __slots__ = ("protocol_version", "step", "draft_tokens", "num_sequences", "error", "draft_seconds", "wait_seconds")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     step: int
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_sequences: int
     error: str
     draft_seconds: float
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., step: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., num_sequences: _Optional[int] = ..., error: _Optional[str] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+    wait_seconds: float
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., step: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., num_sequences: _Optional[int] = ..., error: _Optional[str] = ..., draft_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class ReleaseSequences(_message.Message):
     __slots__ = ("request_ids",)
