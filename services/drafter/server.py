@@ -88,41 +88,52 @@ class DrafterSession:
         self.steps = 0
 
     def step(self, req: drafter_pb2.StepRequest) -> drafter_pb2.StepResult:
+        n, device = len(req.request_ids), self.runner.drafter.device
+        # Host work first, while the verifier's device may still be writing what this step reads:
+        # afterwards only the copies out of the shared buffers and the replays are left to launch.
+        injection = bucket = None
+        if req.features.rows and self.injection is not None:
+            injection = self.injection.stage(list(req.positions), list(req.slots))
+        if n and self.graphs is not None and n <= self.graphs.max_batch:
+            tables = [list(t.blocks) for t in req.block_tables]
+            bucket = (self.graphs.stage(tables) if req.chained
+                      else self.graphs.stage(tables, list(req.bonus_tokens), list(req.starts)))
         waited = self.writes_done.wait(WRITES_DONE_TIMEOUT_SECONDS)
         t0 = time.perf_counter()
-        device = self.runner.drafter.device
         if req.features.rows:
             rows = read_rows(self.features, req.features).to(device)
-            if self.injection is not None:
-                self.injection.inject(rows, list(req.positions), list(req.slots))
+            if injection is not None:
+                self.injection.replay(rows, injection)
             else:
                 positions = torch.tensor(req.positions, dtype=torch.long, device=device)
                 slots = torch.tensor(req.slots, dtype=torch.long, device=device)
                 self.runner.inject_context(rows, positions, slots)
-            if rows.is_cuda and not req.request_ids:
+            if rows.is_cuda and not n:
                 # The reply lets the verifier reuse these ring rows; the copy into KV must be done by then.
                 torch.cuda.current_stream(device).synchronize()
-        result = drafter_pb2.StepResult(protocol_version=PROTOCOL, step=req.step, num_sequences=len(req.request_ids))
-        if req.request_ids:
+        result = drafter_pb2.StepResult(protocol_version=PROTOCOL, step=req.step, num_sequences=n)
+        if n:
             self.live.update(req.request_ids)
-            result.draft_tokens.extend(self._draft(req).flatten().tolist())
+            result.draft_tokens.extend(self._draft(req, bucket).flatten().tolist())
         self.steps += 1
         result.draft_seconds = time.perf_counter() - t0
         result.wait_seconds = waited
         return result
 
-    def _draft(self, req: drafter_pb2.StepRequest) -> torch.Tensor:
+    def _draft(self, req: drafter_pb2.StepRequest, bucket) -> torch.Tensor:
+        """The block's drafts; `bucket`: the draft graph's, staged by `step` (None: eagerly)."""
         n, device = len(req.request_ids), self.runner.drafter.device
-        tables = [list(t.blocks) for t in req.block_tables]
         if req.chained:  # the verifier's device wrote them (done: `step` waited for it)
             bonus, starts = self.chained_inputs[0, :n], self.chained_inputs[1, :n]
         else:
             bonus, starts = list(req.bonus_tokens), list(req.starts)
-        if self.graphs is not None and n <= self.graphs.max_batch:
-            bucket = self.graphs.load(bonus, starts, tables)
+        if bucket is not None:
+            if req.chained:
+                self.graphs.load_inputs(bucket, bonus, starts)
             self.graphs.draft(bucket)
             return bucket.drafts[:n]
         block = self.runner.block_size
+        tables = [list(t.blocks) for t in req.block_tables]
         starts_t = torch.as_tensor(starts, dtype=torch.long).to(device)
         batch = AttentionBatch.build(tables, starts_t.tolist(), [block] * n, self.kv_block_size, device)
         bonus_t = torch.as_tensor(bonus, dtype=torch.long).to(device)

@@ -153,17 +153,26 @@ class RoundGraphs:
     def load(self, bonus: list[int] | torch.Tensor, starts: list[int] | torch.Tensor,
              tables: list[list[int]]) -> _Bucket:
         """Copy one round's inputs into the smallest bucket that holds them; padding rows point
-        at the scratch blocks. One pinned staging buffer per bucket, one copy per buffer, filled
-        through numpy views: ~20 small torch CPU ops cost 0.1–0.3 ms a round, numpy a few µs,
-        and in a split pair this sits on the critical path twice (drafter and verifier).
-        `bonus` and `starts` may be device tensors instead of lists: a chained round's, taken
-        from the last round's results, which the host has not read."""
+        at the scratch blocks. `bonus` and `starts` may be device tensors instead of lists: a
+        chained round's, taken from the last round's results, which the host has not read."""
+        if not isinstance(bonus, torch.Tensor):
+            return self.stage(tables, bonus, starts)
+        bucket = self.stage(tables)
+        self.load_inputs(bucket, bonus, starts)
+        return bucket
+
+    def stage(self, tables: list[list[int]], bonus: list[int] | None = None,
+              starts: list[int] | None = None) -> _Bucket:
+        """The host's half of `load`: block tables (and host bonus tokens and starts) into the
+        bucket, by copies that wait for no other device work. One pinned staging buffer per
+        bucket, one copy per buffer, filled through numpy views: ~20 small torch CPU ops cost
+        0.1–0.3 ms a round, numpy a few µs, and in a split pair this sits on the critical path
+        twice (drafter and verifier)."""
         n = len(tables)
         bucket = self.bucket_for(n)
         bucket.staged.synchronize()  # the last copy out of this bucket's staging buffers is done
         ids, host_tables = bucket.host_ids.numpy(), bucket.host_tables.numpy()
-        on_device = isinstance(bonus, torch.Tensor)
-        if not on_device:
+        if bonus is not None:
             ids[0, :n] = bonus
             ids[1, :n] = starts
         ids[:, n:] = 0
@@ -174,10 +183,13 @@ class RoundGraphs:
         bucket.starts.copy_(bucket.host_ids[1], non_blocking=True)
         bucket.block_tables.copy_(bucket.host_tables, non_blocking=True)
         bucket.staged.record()
-        if on_device:
-            bucket.bonus[:n].copy_(bonus)
-            bucket.starts[:n].copy_(starts)
         return bucket
+
+    def load_inputs(self, bucket: _Bucket, bonus: torch.Tensor, starts: torch.Tensor) -> None:
+        """Bonus tokens and starts from device tensors into a bucket `stage` filled."""
+        n = bonus.shape[0]
+        bucket.bonus[:n].copy_(bonus)
+        bucket.starts[:n].copy_(starts)
 
     def load_drafts(self, bucket: _Bucket, drafts: list[int]) -> torch.Tensor:
         """Copy a round's drafts (from another process: [n, block-1] row-major, after `load` of
@@ -241,19 +253,31 @@ class InjectionGraphs:
 
     def inject(self, rows: torch.Tensor, positions: list[int], slots: list[int]) -> None:
         """Inject `rows` [T, width] at `positions`/`slots`: a graph replay when T fits a bucket."""
-        count = rows.shape[0]
-        if count > self.buckets[-1]:  # a prefill's rows: rare, and long enough to amortise launches
+        size = self.stage(positions, slots)
+        if size is None:  # a prefill's rows: rare, and long enough to amortise launches
             index = torch.tensor([positions, slots], dtype=torch.long, device=self.device)
             self.runner.inject_context(rows, index[0], index[1])
-            return
+        else:
+            self.replay(rows, size)
+
+    def stage(self, positions: list[int], slots: list[int]) -> int | None:
+        """The host's half of `inject`: positions and slots to the device, by a copy that waits
+        for no other device work; the bucket to `replay`, or None for more rows than the largest."""
+        count = len(positions)
+        if count > self.buckets[-1]:
+            return None
         size = next(b for b in self.buckets if b >= count)
-        self.rows[:count].copy_(rows)
         self._staged.synchronize()  # the staging buffer is refilled only once its last copy is done
-        staging = self._staging.numpy()  # numpy, not torch CPU ops: see RoundGraphs.load
+        staging = self._staging.numpy()  # numpy, not torch CPU ops: see RoundGraphs.stage
         staging[0, :count] = positions
         staging[1, :count] = slots
         staging[0, count:size] = 0
         staging[1, count:size] = self.scratch_slot
         self.index[:, :size].copy_(self._staging[:, :size], non_blocking=True)
         self._staged.record()
+        return size
+
+    def replay(self, rows: torch.Tensor, size: int) -> None:
+        """Inject `rows` (as many as `stage` was given) through the graph of bucket `size`."""
+        self.rows[:rows.shape[0]].copy_(rows)
         self._graphs[size].replay()
