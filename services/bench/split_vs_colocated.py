@@ -4,13 +4,15 @@ The same random-weight Qwen3-8B-shaped target and Qwen3-8B-DFlash-b16-shaped dra
 `spec_engine`, at a SYNTHETIC acceptance length (random drafts are never accepted; see there).
 Split: the drafter is a Ray actor on the same GPU (as `services.verifier` spawns it), fed through
 the shared feature ring and the frame channel; the verify forward replays a CUDA graph that reads
-the drafts from the host. Colocated: draft and verify are both graph replays in one process.
+the drafts the drafter wrote into a shared buffer. Colocated: draft and verify are both graph
+replays in one process.
 
     python -m services.bench.split_vs_colocated --out split.json
 
-Per (mode, batch): decode tok/s and step ms. Split also reports the transport overhead per draft
-request: the time the verifier waited for the drafter's answer beyond the drafter's own step time
-(channel round trip, framing, the drafter's queueing), median and p90, in µs.
+Per (mode, batch): decode tok/s and step ms. Split also reports, per draft request, the drafter's
+step (from the request to its drafts done on the device, less its wait for the verifier's device)
+and the transport overhead (the time to the drafter's reply beyond its host time on the step and
+its wait: channel round trip, framing, the drafter's queueing), median and p90, in µs.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ and its embedding and LM head, which the drafter uses rather than loading the ta
 the KV geometry (block ids are the verifier's: one block table per sequence addresses both
 pools). Then each StepRequest injects the new feature rows and drafts a block per sequence —
 after the bonus tokens of the request, or, for a chained round, after those the verifier's
-device wrote into `chained_inputs` (it says when its writes are done: `OpenedWritesDone`).
+device wrote into `chained_inputs` (it says when its writes are done: `OpenedWritesDone`). The
+drafts go into the verifier's shared `drafts` buffer, and the reply leaves as soon as that work
+is queued: the verifier waits for this side's `WritesDone` event, not for the frame.
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ from services.engine.cuda_graphs import InjectionGraphs, RoundGraphs
 from services.engine.draft_runner import DraftRunner
 from services.engine.kv_cache import AttentionBatch, KVPool
 from services.models import DFlashDraftModel, load_drafter
-from services.transport import BUSY_POLL_SECONDS, ChannelClosed, FrameListener, OpenedWritesDone, open_shared, read_rows
+from services.transport import (
+    BUSY_POLL_SECONDS,
+    ChannelClosed,
+    FrameListener,
+    OpenedWritesDone,
+    WritesDone,
+    open_shared,
+    read_rows,
+)
 
 log = logging.getLogger(__name__)
 PROTOCOL = drafter_pb2.PROTOCOL_VERSION_2
@@ -61,9 +71,11 @@ class DrafterSession:
         cfg = drafter.config
         if hello.block_size != cfg.block_size:
             raise ValueError(f"verifier expects block size {hello.block_size}, this drafter drafts {cfg.block_size}")
-        self._opened = [open_shared(b) for b in (hello.features, hello.embedding, hello.lm_head, hello.chained_inputs)]
-        self.features, embedding, lm_head, self.chained_inputs = (o.tensor for o in self._opened)
+        self._opened = [open_shared(b) for b in
+                        (hello.features, hello.embedding, hello.lm_head, hello.chained_inputs, hello.drafts)]
+        self.features, embedding, lm_head, self.chained_inputs, self.drafts = (o.tensor for o in self._opened)
         self.writes_done = OpenedWritesDone(hello.writes_done_event, drafter.device)
+        self.drafts_done = WritesDone(drafter.device)
         head = SharedTargetHead(embedding, lm_head, hello.embedding_scale, hello.final_logit_softcapping)
         if not 0 <= cfg.mask_token_id < embedding.shape[0]:
             raise ValueError(f"mask_token_id={cfg.mask_token_id} is not a row of the target embedding ({embedding.shape[0]})")
@@ -111,10 +123,11 @@ class DrafterSession:
             if rows.is_cuda and not n:
                 # The reply lets the verifier reuse these ring rows; the copy into KV must be done by then.
                 torch.cuda.current_stream(device).synchronize()
-        result = drafter_pb2.StepResult(protocol_version=PROTOCOL, step=req.step, num_sequences=n)
-        if n:
+        if n:  # the verifier reuses ring rows and inputs only once these drafts are done
             self.live.update(req.request_ids)
-            result.draft_tokens.extend(self._draft(req, bucket).flatten().tolist())
+            self.drafts[:n].copy_(self._draft(req, bucket))
+            self.drafts_done.record()
+        result = drafter_pb2.StepResult(protocol_version=PROTOCOL, step=req.step, num_sequences=n)
         self.steps += 1
         result.draft_seconds = time.perf_counter() - t0
         result.wait_seconds = waited
@@ -190,6 +203,7 @@ class DrafterServer:
         else:
             try:
                 self.session = DrafterSession(self.drafter, hello)
+                reply.drafts_done_event = self.session.drafts_done.handle
             except ValueError as err:
                 reply.error = str(err)
         channel.send(drafter_pb2.DrafterReply(hello=reply))

@@ -6,7 +6,7 @@ bucket and replayed: at batch 1 an eager 8B-parameter transformers forward spend
 launching kernels from Python than the GPU spends running them (dflash-spec addendum).
 
 The host fills three static buffers per round — bonus tokens, start positions and block tables —
-(and, for a drafter in another process, a fourth: its drafts) and everything else (positions, slots, sequence lengths, block ids) is computed inside the
+(and, for a drafter in another process, a fourth: its drafts, copied on the device) and everything else (positions, slots, sequence lengths, block ids) is computed inside the
 graphs. Batches smaller than their bucket are padded with rows that point at reserved scratch
 blocks, so their writes never touch a real sequence's KV.
 """
@@ -30,7 +30,7 @@ class _Bucket:
     bonus: torch.Tensor  # [n] long
     starts: torch.Tensor  # [n] long
     block_tables: torch.Tensor  # [n, max_blocks] int32
-    drafts: torch.Tensor | None = None  # the draft graph's output, or the host's (external drafts)
+    drafts: torch.Tensor | None = None  # the draft graph's output, or a remote drafter's (copied in)
     logits: torch.Tensor | None = None
     features: torch.Tensor | None = None
     slots: torch.Tensor | None = None
@@ -39,7 +39,6 @@ class _Bucket:
     inject_graph: torch.cuda.CUDAGraph | None = None
     host_ids: torch.Tensor | None = None  # pinned [2, n]: bonus, starts
     host_tables: torch.Tensor | None = None  # pinned [n, max_blocks]
-    host_drafts: torch.Tensor | None = None  # pinned [n, block-1] (external drafts)
     staged: torch.cuda.Event | None = None
 
 
@@ -107,7 +106,6 @@ class RoundGraphs:
             drafts=torch.zeros(size, self.block - 1, dtype=torch.long, device=device) if self.external_drafts else None,
             host_ids=torch.zeros(2, size, dtype=torch.long).pin_memory(),
             host_tables=self.scratch_row.repeat(size, 1).pin_memory(),
-            host_drafts=torch.zeros(size, self.block - 1, dtype=torch.long).pin_memory() if self.external_drafts else None,
             staged=torch.cuda.Event(),
         )
         stream = torch.cuda.Stream(device)
@@ -191,13 +189,11 @@ class RoundGraphs:
         bucket.bonus[:n].copy_(bonus)
         bucket.starts[:n].copy_(starts)
 
-    def load_drafts(self, bucket: _Bucket, drafts: list[int]) -> torch.Tensor:
-        """Copy a round's drafts (from another process: [n, block-1] row-major, after `load` of
-        the same round) in; returns the live rows."""
-        n = len(drafts) // (self.block - 1)
-        bucket.host_drafts.numpy().reshape(-1)[:len(drafts)] = drafts
-        bucket.drafts[:n].copy_(bucket.host_drafts[:n], non_blocking=True)
-        bucket.staged.record()  # `load` already waited for the last round's copies out of the staging
+    def load_drafts(self, bucket: _Bucket, drafts: torch.Tensor) -> torch.Tensor:
+        """Copy a round's drafts ([n, block-1] on the device, from another process; after `load`
+        of the same round) in; returns the live rows."""
+        n = drafts.shape[0]
+        bucket.drafts[:n].copy_(drafts)
         return bucket.drafts[:n]
 
     def draft(self, bucket: _Bucket) -> None:

@@ -36,7 +36,7 @@ class Proposer(Protocol):
 
     A drafter in another process implements `request_drafts` (bonus tokens and starts as host
     lists, or as device tensors for a chained round; block tables) and `receive_drafts` (the
-    drafts, [n, block-1] row-major) instead of `propose`:
+    drafts, [n, block-1] on the device) instead of `propose`:
     the engine sends the request first and prepares its verify while the drafter works, and
     needs no per-round GPU metadata for it (the verify replays a CUDA graph that reads the
     drafts from a static buffer).

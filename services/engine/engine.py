@@ -396,7 +396,7 @@ class Engine:
                 elif graphs is not None:
                     drafts = graphs.load_drafts(bucket, self.proposer.receive_drafts())
                 else:
-                    drafts = torch.tensor(self.proposer.receive_drafts(), device=self.device).view(n, block - 1)
+                    drafts = self.proposer.receive_drafts().clone()  # the shared buffer is rewritten next round
             except ProposerLost as err:
                 self._lose_proposer(err)
                 return self._launch_round(seqs, previous)  # the same round, target-only

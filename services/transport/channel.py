@@ -100,6 +100,10 @@ class FrameChannel:
         except DecodeError:
             self._fail(FrameError, f"a frame of {length} bytes is not a valid {message_type.DESCRIPTOR.full_name}")
 
+    def peer_hung_up(self) -> bool:
+        """Whether the peer has closed its end (or this one is closed); reads nothing."""
+        return self._sock is None or bool(self._hung_up.poll(0))
+
     def close(self) -> None:
         """Close both directions; a thread blocked in recv on this channel wakes with ChannelClosed."""
         self._close("this side closed the channel")

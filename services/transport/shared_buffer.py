@@ -13,6 +13,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable
 from multiprocessing.shared_memory import SharedMemory
 
 import torch
@@ -305,14 +306,21 @@ class OpenedWritesDone:
     def __init__(self, handle: bytes, device: torch.device):
         self.event = torch.cuda.Event.from_ipc_handle(device, handle) if handle else None
 
-    def wait(self, timeout: float) -> float:
-        """Return once the owner's writes recorded so far are done (busy-polling: the peer's next
-        kernels should start the moment they are); the seconds waited. TimeoutError after `timeout`."""
+    def wait(self, timeout: float, *, owner_alive: Callable[[], bool] | None = None) -> float:
+        """Return once the owner's writes recorded so far are done (busy-polling: the next kernels
+        should start the moment they are); the seconds waited. TimeoutError after `timeout`;
+        ConnectionError as soon as `owner_alive` (asked every 10 ms) says the owner is gone, whose
+        event may then never complete."""
         if self.event is None:
             return 0.0
         t0 = time.perf_counter()
-        deadline = t0 + timeout
+        deadline, next_check = t0 + timeout, t0 + 0.01
         while not self.event.query():
-            if time.perf_counter() > deadline:
+            now = time.perf_counter()
+            if now > deadline:
                 raise TimeoutError(f"the peer's shared-buffer writes were not done within {timeout} s")
+            if owner_alive is not None and now > next_check:
+                if not owner_alive():
+                    raise ConnectionError("the peer went away before its shared-buffer writes were done")
+                next_check = now + 0.01
         return time.perf_counter() - t0

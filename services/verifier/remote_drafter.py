@@ -11,7 +11,10 @@ A chained round (Engine: launched before the host has read the last one) asks fo
 bonus tokens and starts that exist only on this process's device: they are copied into a shared
 buffer (`chained_inputs`) on the device, and the request goes out at once. Every frame is sent
 after recording a `WritesDone` event, which the drafter waits for before it reads the ring or
-those inputs, so this host never waits for its own device to hand work over.
+those inputs, so this host never waits for its own device to hand work over. The other way, the
+drafter writes its drafts into a shared `drafts` buffer and replies once that is queued; this side
+waits for the drafter's event (on the host, watching the channel: a dead drafter's event may never
+complete) and copies the drafts device to device.
 
 The drafts come back in the reply, not through a shared GPU buffer ordered by a CUDA IPC event:
 a stream waiting on another process's event stays blocked for good if that process dies before
@@ -30,18 +33,29 @@ from services.api.dflash.v1 import drafter_pb2
 from services.engine.cuda_graphs import RoundGraphs
 from services.engine.draft_runner import ProposerLost
 from services.models import TargetModel
-from services.transport import BUSY_POLL_SECONDS, ChannelClosed, FeatureRing, SharedTensor, WritesDone, connect
+from services.transport import (
+    BUSY_POLL_SECONDS,
+    ChannelClosed,
+    FeatureRing,
+    OpenedWritesDone,
+    SharedTensor,
+    WritesDone,
+    connect,
+)
 
 PROTOCOL = drafter_pb2.PROTOCOL_VERSION_2
 
 
 class RemoteProposer:
     def __init__(self, channel, ring: FeatureRing, chained_inputs: torch.Tensor, writes_done: WritesDone,
-                 block_size: int, capacity_rows: int, *, timeout: float):
+                 drafts: torch.Tensor, drafts_done: OpenedWritesDone, block_size: int, capacity_rows: int, *,
+                 timeout: float):
         self.channel = channel
         self.ring = ring
         self.chained_inputs = chained_inputs
         self.writes_done = writes_done
+        self.drafts = drafts
+        self.drafts_done = drafts_done
         self.block_size = block_size
         self.capacity_rows = capacity_rows
         self.timeout = timeout
@@ -50,13 +64,16 @@ class RemoteProposer:
         self._pending: drafter_pb2.StepRequest | None = None  # an injection not sent yet
         self._requested = 0  # sequences in the last draft request
         self._requested_at = 0.0
+        self._replied_at = 0.0
         self._busy_poll = BUSY_POLL_SECONDS if ring.shared.tensor.is_cuda else 0.0
-        # Per draft request: time from sending it to having the reply, beyond the drafter's own
-        # time on that step (its injection included) and its wait for this process's device: the
-        # channel, framing, earlier injections it was still doing, and whatever of this process's
-        # own work meanwhile (preparing the verify, committing the last round) outlasted it.
+        # Per draft request: time from sending it to having the reply, beyond the drafter's host
+        # time on that step and its wait for this process's device: the channel, framing, earlier
+        # injections it was still doing, and whatever of this process's own work meanwhile
+        # (preparing the verify, committing the last round) outlasted it.
         self._transport_seconds: collections.deque[float] = collections.deque(maxlen=4096)
-        self.draft_seconds: collections.deque[float] = collections.deque(maxlen=4096)  # the drafter's, per request
+        # Per draft request: from sending it to its drafts being done on the device, less the
+        # drafter's wait for this process's device.
+        self.draft_seconds: collections.deque[float] = collections.deque(maxlen=4096)
 
     @classmethod
     def connect(cls, address, *, target: TargetModel, block_size: int, kv_block_size: int, num_kv_blocks: int,
@@ -69,7 +86,8 @@ class RemoteProposer:
         embedding = SharedTensor.wrap("embedding", target.input_embeddings.weight.detach())
         lm_head = SharedTensor.wrap("lm_head", target.lm_head.weight.detach())
         chained_inputs = SharedTensor.allocate("chained_inputs", (2, max_num_seqs), torch.long, target.device)
-        shared.extend([features, embedding, lm_head, chained_inputs])
+        drafts = SharedTensor.allocate("drafts", (max_num_seqs, block_size - 1), torch.long, target.device)
+        shared.extend([features, embedding, lm_head, chained_inputs, drafts])
         writes_done = WritesDone(target.device)
         scale = getattr(target.input_embeddings, "embed_scale", 1.0)
         hello = drafter_pb2.Hello(
@@ -78,6 +96,7 @@ class RemoteProposer:
             lm_head=lm_head.describe(), embedding_scale=float(scale),
             final_logit_softcapping=float(target.final_logit_softcapping or 0.0),
             chained_inputs=chained_inputs.describe(), writes_done_event=writes_done.handle,
+            drafts=drafts.describe(),
         )
         if graphs is not None:
             hello.graph_batch_sizes.extend(graphs.buckets)
@@ -92,8 +111,9 @@ class RemoteProposer:
         if reply.error:
             channel.close()
             raise ValueError(f"the drafter refused this verifier: {reply.error}")
-        return cls(channel, FeatureRing(features), chained_inputs.tensor, writes_done, block_size, capacity_rows,
-                   timeout=timeout)
+        drafts_done = OpenedWritesDone(reply.drafts_done_event, target.device)
+        return cls(channel, FeatureRing(features), chained_inputs.tensor, writes_done, drafts.tensor, drafts_done,
+                   block_size, capacity_rows, timeout=timeout)
 
     def inject_context(self, features: torch.Tensor, positions: torch.Tensor | list[int],
                        slots: torch.Tensor | list[int]) -> None:
@@ -130,16 +150,17 @@ class RemoteProposer:
         self._requested = len(request_ids)
         self._requested_at = time.perf_counter()
 
-    def receive_drafts(self) -> list[int]:
-        """The drafts asked for last, [n, block-1] row-major."""
+    def receive_drafts(self) -> torch.Tensor:
+        """The drafts asked for last, [n, block-1] on this process's device: a view of the shared
+        buffer, which the next request's drafts overwrite (copy them out before asking again)."""
         result = self._drain()
-        self._transport_seconds.append(
-            time.perf_counter() - self._requested_at - result.draft_seconds - result.wait_seconds)
-        self.draft_seconds.append(result.draft_seconds)
         n = self._requested
-        if result.num_sequences != n or len(result.draft_tokens) != n * (self.block_size - 1):
-            raise ProposerLost(f"the drafter answered {len(result.draft_tokens)} drafts for {n} sequences")
-        return list(result.draft_tokens)
+        if result.num_sequences != n:
+            raise ProposerLost(f"the drafter answered for {result.num_sequences} sequences, not {n}")
+        self._transport_seconds.append(
+            self._replied_at - self._requested_at - result.draft_seconds - result.wait_seconds)
+        self.draft_seconds.append(time.perf_counter() - self._requested_at - result.wait_seconds)
+        return self.drafts[:n]
 
     def drain_transport_seconds(self) -> list[float]:
         out = list(self._transport_seconds)
@@ -172,8 +193,9 @@ class RemoteProposer:
         self._unanswered += 1
 
     def _drain(self) -> drafter_pb2.StepResult:
-        """Read every outstanding reply; returns the last."""
-        result = None
+        """Read every outstanding reply and wait for the drafts they announce (until then the
+        drafter may still be reading the ring and the inputs); returns the last."""
+        result, drafted = None, False
         try:
             while self._unanswered:
                 result = self.channel.recv(drafter_pb2.DrafterReply, timeout=self.timeout,
@@ -181,7 +203,11 @@ class RemoteProposer:
                 self._unanswered -= 1
                 if result.error:
                     raise ProposerLost(f"drafter step {result.step} failed: {result.error}")
-        except (ChannelClosed, OSError, TimeoutError) as err:
+                drafted |= result.num_sequences > 0
+            self._replied_at = time.perf_counter()
+            if drafted:
+                self.drafts_done.wait(self.timeout, owner_alive=lambda: not self.channel.peer_hung_up())
+        except (ChannelClosed, OSError, TimeoutError) as err:  # OSError: ConnectionError from the wait
             raise ProposerLost(f"drafter did not answer: {err}") from err
         self.ring.mark_read()
         return result

@@ -62,7 +62,8 @@ def _peer_main(conn) -> None:
         opened.pop(buffer_id).close()
 
     def echo(address):
-        """Answer each StepRequest with its positions as drafts until the verifier hangs up."""
+        """Answer each StepRequest with its positions (as text: any field that carries them will
+        do) until the verifier hangs up."""
         channel = connect(address, timeout=10)
         answered = 0
         while True:
@@ -70,15 +71,23 @@ def _peer_main(conn) -> None:
                 request = channel.recv(drafter_pb2.DrafterRequest)
             except ChannelClosed:
                 return answered
-            step = drafter_pb2.StepResult(step=request.step.step, draft_tokens=request.step.positions)
+            step = drafter_pb2.StepResult(step=request.step.step, error=" ".join(map(str, request.step.positions)))
             channel.send(drafter_pb2.DrafterReply(step=step))
             answered += 1
 
     def hold(address, count: int):
         channels.extend(connect(address, timeout=10) for _ in range(count))
 
+    def record_late(seconds: float):
+        """A WritesDone recorded behind a kernel that runs for `seconds`; its handle."""
+        writes_done = WritesDone(torch.device("cuda"))
+        torch.cuda._sleep(int(seconds * 2e9))  # GPU clock cycles
+        writes_done.record()
+        channels.append(writes_done)  # kept alive
+        return writes_done.handle
+
     commands = {"open": open_buffer, "read": read, "write": write, "rows": rows, "close": close,
-                "echo": echo, "hold": hold}
+                "echo": echo, "hold": hold, "record_late": record_late}
     while True:
         try:
             command, args = conn.recv()
@@ -343,11 +352,11 @@ def test_frames_of_several_sizes_round_trip_between_processes(peer, listener):
             positions = [i * 7919 for i in range(size)]
             channel.send(_step(step, positions))
             reply = channel.recv(drafter_pb2.DrafterReply, timeout=30)
-            assert reply.step.step == step and list(reply.step.draft_tokens) == positions
+            assert reply.step.step == step and reply.step.error.split() == [str(p) for p in positions]
         for step in range(10):  # several frames in flight before the first reply is read
             channel.send(_step(step, [step] * step))
         for step in range(10):
-            assert list(channel.recv(drafter_pb2.DrafterReply, timeout=30).step.draft_tokens) == [step] * step
+            assert channel.recv(drafter_pb2.DrafterReply, timeout=30).step.error.split() == [str(step)] * step
     finally:
         channel.close()
     assert peer.result() == len(sizes) + 10
@@ -360,6 +369,7 @@ def test_a_killed_peer_closes_the_channel_on_send_and_on_recv(doomed_peer, liste
     doomed_peer.process.kill()
     doomed_peer.process.join()
 
+    assert sending.peer_hung_up() and receiving.peer_hung_up()
     start = time.monotonic()
     with pytest.raises(ChannelClosed, match="the peer closed the channel"):
         sending.send(_step(1, [1, 2, 3]))
@@ -550,3 +560,18 @@ def test_cuda_feature_ring_read_in_a_spawned_child(peer):
         peer("close", "ring")
     finally:
         shared.close()
+
+
+@needs_cuda
+def test_waiting_for_the_writes_of_a_peer_that_died_ends_when_it_dies(doomed_peer):
+    opened = OpenedWritesDone(doomed_peer("record_late", 60.0), torch.device("cuda"))
+    with pytest.raises(TimeoutError):
+        opened.wait(timeout=0.2)  # its event completes a minute from now
+    doomed_peer.process.kill()
+    doomed_peer.process.join()
+    start = time.monotonic()
+    try:  # done, or refused: never a wait until the timeout
+        opened.wait(timeout=30, owner_alive=doomed_peer.process.is_alive)
+    except (ConnectionError, RuntimeError):
+        pass
+    assert time.monotonic() - start < 2

@@ -45,7 +45,7 @@ class KVBlockHandle(_message.Message):
     def __init__(self, buffer_id: _Optional[str] = ..., row_offset: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "features", "kv_block_size", "num_kv_blocks", "block_size", "embedding", "lm_head", "embedding_scale", "final_logit_softcapping", "graph_batch_sizes", "max_blocks_per_sequence", "scratch_blocks", "chained_inputs", "writes_done_event")
+    __slots__ = ("protocol_version", "features", "kv_block_size", "num_kv_blocks", "block_size", "embedding", "lm_head", "embedding_scale", "final_logit_softcapping", "graph_batch_sizes", "max_blocks_per_sequence", "scratch_blocks", "chained_inputs", "writes_done_event", "drafts")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class Hello(_message.Message):
     SCRATCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CHAINED_INPUTS_FIELD_NUMBER: _ClassVar[int]
     WRITES_DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     features: SharedBuffer
     kv_block_size: int
@@ -74,19 +75,22 @@ class Hello(_message.Message):
     scratch_blocks: _containers.RepeatedScalarFieldContainer[int]
     chained_inputs: SharedBuffer
     writes_done_event: bytes
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., features: _Optional[_Union[SharedBuffer, _Mapping]] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., embedding: _Optional[_Union[SharedBuffer, _Mapping]] = ..., lm_head: _Optional[_Union[SharedBuffer, _Mapping]] = ..., embedding_scale: _Optional[float] = ..., final_logit_softcapping: _Optional[float] = ..., graph_batch_sizes: _Optional[_Iterable[int]] = ..., max_blocks_per_sequence: _Optional[int] = ..., scratch_blocks: _Optional[_Iterable[int]] = ..., chained_inputs: _Optional[_Union[SharedBuffer, _Mapping]] = ..., writes_done_event: _Optional[bytes] = ...) -> None: ...
+    drafts: SharedBuffer
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., features: _Optional[_Union[SharedBuffer, _Mapping]] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., embedding: _Optional[_Union[SharedBuffer, _Mapping]] = ..., lm_head: _Optional[_Union[SharedBuffer, _Mapping]] = ..., embedding_scale: _Optional[float] = ..., final_logit_softcapping: _Optional[float] = ..., graph_batch_sizes: _Optional[_Iterable[int]] = ..., max_blocks_per_sequence: _Optional[int] = ..., scratch_blocks: _Optional[_Iterable[int]] = ..., chained_inputs: _Optional[_Union[SharedBuffer, _Mapping]] = ..., writes_done_event: _Optional[bytes] = ..., drafts: _Optional[_Union[SharedBuffer, _Mapping]] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("protocol_version", "error", "drafter", "block_size")
+    __slots__ = ("protocol_version", "error", "drafter", "block_size", "drafts_done_event")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     error: str
     drafter: str
     block_size: int
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., error: _Optional[str] = ..., drafter: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    drafts_done_event: bytes
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., error: _Optional[str] = ..., drafter: _Optional[str] = ..., block_size: _Optional[int] = ..., drafts_done_event: _Optional[bytes] = ...) -> None: ...
 
 class BlockTable(_message.Message):
     __slots__ = ("blocks",)
@@ -119,22 +123,20 @@ class StepRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., step: _Optional[int] = ..., features: _Optional[_Union[KVBlockHandle, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., chained: bool = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("protocol_version", "step", "draft_tokens", "num_sequences", "error", "draft_seconds", "wait_seconds")
+    __slots__ = ("protocol_version", "step", "num_sequences", "error", "draft_seconds", "wait_seconds")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     step: int
-    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_sequences: int
     error: str
     draft_seconds: float
     wait_seconds: float
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., step: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., num_sequences: _Optional[int] = ..., error: _Optional[str] = ..., draft_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., step: _Optional[int] = ..., num_sequences: _Optional[int] = ..., error: _Optional[str] = ..., draft_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class ReleaseSequences(_message.Message):
     __slots__ = ("request_ids",)
