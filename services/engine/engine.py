@@ -170,6 +170,9 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if not t < self.vocab_size]  # validate(): none negative
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine was built without one")
         # Room for the prompt, the generated tokens and one round's lookahead.

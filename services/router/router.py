@@ -22,6 +22,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 from jinja2 import TemplateError
+from ray.exceptions import NodeDiedError, RayActorError
+from ray.serve.exceptions import ReplicaUnavailableError
 
 from services.api.dflash.v1 import generation_pb2
 from services.engine.request import RequestOutput
@@ -30,14 +32,20 @@ from services.engine.stopping import FinishReason
 from services.router.validation import (
     InvalidRequest,
     chat_messages,
+    check_prompt_bytes,
     check_prompt_text,
+    check_stop_token_ids,
     check_token_ids,
     fit_to_context,
+    max_prompt_bytes,
     no_input,
     sampling_params,
 )
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+# A verifier call lost to its replica (died, restarting, unreachable): retryable, UNAVAILABLE.
+_REPLICA_GONE = (RayActorError, NodeDiedError, ReplicaUnavailableError)
 
 _FINISH_REASONS = {
     FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
@@ -73,6 +81,7 @@ class Router:
         self.max_tokens_limit = max_tokens_limit
         self.default_max_tokens = default_max_tokens
         self.max_pending = max_pending
+        self.max_prompt_bytes = max_prompt_bytes(tokenizer, max_model_len)
         self._in_flight: set[str] = set()  # request ids admitted and not yet finished
         self._model_info: dict | None = None  # the verifier's, fetched once
         # Tokenizing a long prompt takes milliseconds: off the event loop that streams every other
@@ -160,12 +169,17 @@ class Router:
         """Validated prompt token ids and sampling parameters, server defaults applied."""
         params = sampling_params(request.sampling, default_max_tokens=self.default_max_tokens,
                                  max_tokens_limit=self.max_tokens_limit)
+        if params.stop_token_ids:
+            check_stop_token_ids(params.stop_token_ids, (await self._verifier_model_info())["vocab_size"])
         kind = request.WhichOneof("input")
         if kind == "token_ids":
             vocab_size = (await self._verifier_model_info())["vocab_size"]
             check_token_ids(request.token_ids.ids, vocab_size)
             prompt_ids = list(request.token_ids.ids)
         elif kind in ("prompt", "chat"):
+            text_bytes = (len(request.prompt.encode()) if kind == "prompt"
+                          else sum(len(m.content.encode()) for m in request.chat.messages))
+            check_prompt_bytes(text_bytes, self.max_prompt_bytes, self.max_model_len)
             loop = asyncio.get_running_loop()
             prompt_ids = await loop.run_in_executor(self._tokenizer_thread, self._tokenize, request)
         else:
@@ -233,6 +247,11 @@ def _verifier_failed(context, err: Exception, *, produced: bool) -> RpcFailed:
     cause = _cause(err)
     if not produced and isinstance(cause, ValueError):  # the engine refused the request: a client error
         return _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(cause))
+    if isinstance(err, _REPLICA_GONE) or isinstance(cause, _REPLICA_GONE):
+        # The replica died or is restarting: nothing wrong with the request, and Serve brings a
+        # replica back — a retryable loss, as gRPC's UNAVAILABLE says.
+        return _abort(context, grpc.StatusCode.UNAVAILABLE,
+                      f"the verifier replica serving this request is gone ({_describe(err)}): retry")
     return _abort(context, grpc.StatusCode.INTERNAL, f"the verifier failed: {_describe(err)}")
 
 

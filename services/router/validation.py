@@ -77,6 +77,30 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
         raise InvalidRequest(f"token ids {bad[:5]} are outside this model's vocabulary [0, {vocab_size})")
 
 
+def check_stop_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"stop_token_ids {bad[:5]} are outside this model's vocabulary [0, {vocab_size}): "
+                             "a stop token must be one the model can generate")
+
+
+def max_prompt_bytes(tokenizer, max_model_len: int) -> int:
+    """The most UTF-8 bytes of text that can tokenize into fewer than `max_model_len` tokens: no
+    token stands for more bytes than its vocabulary string's UTF-8 encoding (byte-level and
+    SentencePiece strings spell a byte in one or more bytes, never in less)."""
+    longest = max(len(token.encode("utf-8")) for token in tokenizer.get_vocab())
+    return max_model_len * longest
+
+
+def check_prompt_bytes(nbytes: int, limit: int, max_model_len: int) -> None:
+    """Refuses text too long for the context before tokenizing it: tokenizing megabytes takes
+    seconds, and one request must not stall the ingress that long."""
+    if nbytes > limit:
+        raise InvalidRequest(
+            f"the prompt is {nbytes} bytes of text; this model's context of {max_model_len} tokens holds at "
+            f"most {limit} bytes of it: shorten the prompt")
+
+
 def no_input() -> InvalidRequest:
     return InvalidRequest("the request has no input: set one of prompt, chat or token_ids")
 

@@ -109,6 +109,7 @@ def test_cancel_while_waiting_and_twice(target):
     [
         ([], SamplingParams(), "prompt is empty"),
         ([1, 500], SamplingParams(), "outside the vocabulary"),
+        ([1, 2], SamplingParams(stop_token_ids=(3, 500)), r"stop_token_ids \[500\] are outside the vocabulary"),
         ([1] * 600, SamplingParams(), "takes at most 511"),
         ([1, 2], SamplingParams(max_tokens=5000), "lower max_tokens or raise num_kv_blocks"),
         ([1, 2], SamplingParams(temperature=-1.0), "temperature"),

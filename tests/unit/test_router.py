@@ -14,6 +14,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+from ray.serve.exceptions import ReplicaUnavailableError
 from transformers import PreTrainedTokenizerFast
 
 from services import client
@@ -191,10 +193,12 @@ def chat(*messages) -> generation_pb2.ChatMessages:
          ["message 1", "'wizard'", "allowed roles: system, user, assistant, tool"]),
         (dict(token_ids=generation_pb2.TokenIds()), ["token_ids is empty"]),
         (dict(token_ids=generation_pb2.TokenIds(ids=[5, 600, -1])), ["[600, -1]", "vocabulary [0, 600)"]),
+        (dict(prompt="x", sampling=S(stop_token_ids=[5, 600, 7])), ["stop_token_ids [600]", "vocabulary [0, 600)"]),
     ],
     ids=["no-input", "empty-prompt", "max-tokens-0", "max-tokens-negative", "max-tokens-over-limit",
          "temperature-negative", "temperature-nan", "top-p-0", "top-p-over-1", "top-k-negative", "empty-stop",
-         "seed-over-int64", "empty-chat", "unknown-role", "empty-token-ids", "token-ids-out-of-range"],
+         "seed-over-int64", "empty-chat", "unknown-role", "empty-token-ids", "token-ids-out-of-range",
+         "stop-token-ids-out-of-range"],
 )
 def test_invalid_input_gets_invalid_argument_saying_what_to_fix(tokenizer, request_kwargs, fragments):
     verifier = FakeVerifier()
@@ -218,6 +222,25 @@ def test_a_prompt_that_fills_the_context_is_refused_naming_both_lengths(tokenize
     responses, context = generate(make_router(tokenizer, verifier, max_model_len=prompt_len + 1),
                                   generation_pb2.GenerateRequest(prompt=prompt))
     assert context.code is None and verifier.calls[0].params.max_tokens == 1
+
+
+def test_text_too_long_for_the_context_is_refused_before_it_is_tokenized(tokenizer):
+    router = make_router(tokenizer, max_model_len=64)
+    longest = max(len(token.encode()) for token in tokenizer.get_vocab())
+    limit = router.max_prompt_bytes
+    assert limit == 64 * longest
+    text = "the quick brown fox jumps over the lazy dog, naïvely " * 9
+    assert len(text.encode()) <= len(tokenizer.encode(text)) * longest  # the bound holds for real text
+    tokenized = []
+    router._tokenize = lambda request: tokenized.append(request) or [1, 2]
+    for request in (generation_pb2.GenerateRequest(prompt="a" * (limit + 1)),
+                    generation_pb2.GenerateRequest(chat=chat(("system", "a" * limit), ("user", "b")))):
+        responses, context = generate(router, request)
+        assert responses == [] and context.code == Code.INVALID_ARGUMENT
+        assert f"{limit + 1} bytes" in context.details and "shorten the prompt" in context.details
+    assert tokenized == []
+    generate(router, generation_pb2.GenerateRequest(prompt="a" * limit))  # at the bound: tokenized
+    assert len(tokenized) == 1
 
 
 def test_chat_without_a_chat_template_is_refused_saying_what_to_send(tokenizer):
@@ -376,6 +399,19 @@ def test_a_failing_verifier_call_is_internal_with_the_reason_and_is_cancelled(to
     responses, context = generate(make_router(tokenizer, verifier), generation_pb2.GenerateRequest(prompt="hi"))
     assert len(responses) == int(after_first_round)
     assert context.code == Code.INTERNAL and "RuntimeError: the verifier replica died" in context.details
+    assert verifier.streams[0].cancelled
+
+
+@pytest.mark.parametrize("after_first_round", [False, True], ids=["at-once", "mid-stream"])
+@pytest.mark.parametrize("error", [ActorDiedError(), ActorUnavailableError("restarting", None),
+                                   ReplicaUnavailableError("Verifier#abc")],
+                         ids=["died", "unavailable", "replica-gone"])
+def test_losing_the_verifier_replica_is_unavailable_so_clients_retry(tokenizer, error, after_first_round):
+    verifier = FakeVerifier(raising(error, after_first_round=after_first_round))
+    responses, context = generate(make_router(tokenizer, verifier), generation_pb2.GenerateRequest(prompt="hi"))
+    assert len(responses) == int(after_first_round)
+    assert context.code == Code.UNAVAILABLE and "retry" in context.details
+    assert type(error).__name__ in context.details
     assert verifier.streams[0].cancelled
 
 
