@@ -29,6 +29,7 @@ from services.transport import (
     BUSY_POLL_SECONDS,
     ChannelClosed,
     FrameListener,
+    OpenedTensor,
     OpenedWritesDone,
     WritesDone,
     open_shared,
@@ -71,9 +72,13 @@ class DrafterSession:
         cfg = drafter.config
         if hello.block_size != cfg.block_size:
             raise ValueError(f"verifier expects block size {hello.block_size}, this drafter drafts {cfg.block_size}")
-        self._opened = [open_shared(b) for b in
-                        (hello.features, hello.embedding, hello.lm_head, hello.chained_inputs, hello.drafts)]
-        self.features, embedding, lm_head, self.chained_inputs, self.drafts = (o.tensor for o in self._opened)
+        buffers = (hello.features, hello.embedding, hello.lm_head, hello.chained_inputs, hello.drafts)
+        opened: dict[str, OpenedTensor] = {}  # by buffer id: a tied embedding and LM head are one buffer
+        for desc in buffers:
+            if desc.buffer_id not in opened:
+                opened[desc.buffer_id] = open_shared(desc)
+        self._opened = list(opened.values())
+        self.features, embedding, lm_head, self.chained_inputs, self.drafts = (opened[d.buffer_id].tensor for d in buffers)
         self.writes_done = OpenedWritesDone(hello.writes_done_event, drafter.device)
         self.drafts_done = WritesDone(drafter.device)
         head = SharedTargetHead(embedding, lm_head, hello.embedding_scale, hello.final_logit_softcapping)

@@ -83,11 +83,13 @@ class RemoteProposer:
         With the verifier's `graphs`, the drafter captures its forward for the same batch sizes."""
         width = target.hidden_size * len(target.layer_ids)
         features = SharedTensor.allocate("features", (capacity_rows, width), target.dtype, target.device)
-        embedding = SharedTensor.wrap("embedding", target.input_embeddings.weight.detach())
-        lm_head = SharedTensor.wrap("lm_head", target.lm_head.weight.detach())
+        embedding_weight, lm_head_weight = target.input_embeddings.weight.detach(), target.lm_head.weight.detach()
+        embedding = SharedTensor.wrap("embedding", embedding_weight)
+        tied = lm_head_weight.data_ptr() == embedding_weight.data_ptr() and lm_head_weight.shape == embedding_weight.shape
+        lm_head = embedding if tied else SharedTensor.wrap("lm_head", lm_head_weight)  # tied: one buffer, named twice
         chained_inputs = SharedTensor.allocate("chained_inputs", (2, max_num_seqs), torch.long, target.device)
         drafts = SharedTensor.allocate("drafts", (max_num_seqs, block_size - 1), torch.long, target.device)
-        shared.extend([features, embedding, lm_head, chained_inputs, drafts])
+        shared.extend([features, embedding, chained_inputs, drafts] + ([] if tied else [lm_head]))
         writes_done = WritesDone(target.device)
         scale = getattr(target.input_embeddings, "embed_scale", 1.0)
         hello = drafter_pb2.Hello(

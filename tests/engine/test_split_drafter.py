@@ -110,3 +110,20 @@ def test_a_verifier_speaking_another_protocol_version_is_refused_with_the_reason
     reply = channel.recv(drafter_pb2.DrafterReply, timeout=10).hello
     assert reply.error == "protocol version 1 is not supported; this drafter speaks 2"
     channel.close()
+
+
+def test_a_tied_embedding_and_lm_head_are_shared_as_one_buffer(pair):
+    target, drafter = pair
+    target.lm_head.weight = target.model.embed_tokens.weight  # tie them, as SmolLM2 and Gemma do
+    prompts = [[1, 2, 3, 4], list(range(10, 30))]
+    local = build_engine(target, drafter=drafter).generate(prompts, SamplingParams(temperature=0.0, max_tokens=20))
+    shared = []
+    engine, server, proposer = _remote_engine(target, drafter, shared)
+    assert [b.buffer_id for b in shared] == ["features", "embedding", "chained_inputs", "drafts"]
+    head = server.session.runner.target
+    assert head.lm_head_weight.data_ptr() == head.input_embeddings.weight.data_ptr()
+    remote = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20))
+    assert [s.output_ids for s in remote] == [s.output_ids for s in local]
+    proposer.close()
+    for buffer in shared:
+        buffer.close()
