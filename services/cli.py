@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-import time
+import threading
 
 import torch
 
@@ -132,16 +133,29 @@ def _serve(args: argparse.Namespace) -> int:
     ray.init(include_dashboard=False, num_gpus=num_gpus or None, _metrics_export_port=config.metrics_port)
     serve.start(grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
     serve.run(build_app(config), name="dflash", route_prefix="/")
-    print(f"dflash-serve is up: gRPC on 127.0.0.1:{config.grpc_port} (dflash.v1.Generation), "
-          f"metrics on http://127.0.0.1:{config.metrics_port}/metrics. Try: dflash client --prompt 'Hello'",
-          flush=True)
+    print(f"dflash-serve is up: gRPC on port {config.grpc_port} of every interface (dflash.v1.Generation; Ray "
+          f"Serve's gRPC proxy has no host option), metrics on port {config.metrics_port} (/metrics). "
+          "Try: dflash client --prompt 'Hello'", flush=True)
+    run_until_stopped()
+    print("dflash-serve: stopping (Ctrl-C again to force)", flush=True)
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        serve.shutdown()
+        serve.shutdown()  # replicas finish their requests (Serve's graceful shutdown), then go
+    finally:
         ray.shutdown()
     return 0
+
+
+def run_until_stopped() -> None:
+    """Block until SIGINT (Ctrl-C) or SIGTERM (Kubernetes, systemd, `kill`), then restore the
+    handlers, so that a second signal during shutdown forces it."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop.wait(1.0):  # a timeout, so the main thread runs the handlers promptly
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _client(args: argparse.Namespace) -> int:

@@ -132,6 +132,14 @@ class SharedTensor:
             buffer_id=self.buffer_id, shape=list(tensor.shape), dtype=dtype_name(tensor.dtype),
             device=tensor.device.index if tensor.is_cuda else -1, **self._location)
 
+    def unlink_name(self) -> None:
+        """Once every peer has mapped a CPU buffer, remove its name from /dev/shm: the memory lives
+        on in the mappings until the last is gone, and nothing is left behind however the
+        processes end (SIGKILL included). Peers can no longer open it. A CUDA buffer has no name."""
+        if "shm_name" in self._location and self._tensor is not None:
+            self._release()
+            self._release = lambda: None
+
     def close(self) -> None:
         """Stop sharing: a CPU segment is unlinked (mappings already made stay valid until their
         last view is freed); a CUDA allocation goes back to its owner's allocator once unused here.

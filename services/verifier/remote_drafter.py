@@ -113,6 +113,8 @@ class RemoteProposer:
         if reply.error:
             channel.close()
             raise ValueError(f"the drafter refused this verifier: {reply.error}")
+        for buffer in (features, embedding, lm_head, chained_inputs, drafts):
+            buffer.unlink_name()  # the drafter has mapped them: no name left to leak, however we end
         drafts_done = OpenedWritesDone(reply.drafts_done_event, target.device)
         return cls(channel, FeatureRing(features), chained_inputs.tensor, writes_done, drafts.tensor, drafts_done,
                    block_size, capacity_rows, timeout=timeout)

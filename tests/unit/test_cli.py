@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
+import pytest
 import torch
 
-from services.cli import main
+from services.cli import main, run_until_stopped
 from services.models import save_drafter
 from tests.conftest import drafter_config, random_drafter
 from tests.targets import tiny_target
@@ -60,3 +66,14 @@ def test_generate_prints_text_tau_and_acceptance_and_matches_target_only(tmp_pat
 def test_generate_refuses_bad_sampling_parameters(tmp_path, capsys):
     assert main(["generate", "--target", str(tmp_path), "--prompt", "x", "--top-p", "1.5"]) == 2
     assert "top_p" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_serve_stops_on_sigint_and_sigterm_and_a_second_signal_forces(sig):
+    """`dflash serve` waits in run_until_stopped; Kubernetes stops pods with SIGTERM, a terminal with SIGINT."""
+    before = signal.getsignal(sig)
+    threading.Timer(0.3, os.kill, (os.getpid(), sig)).start()
+    start = time.monotonic()
+    run_until_stopped()
+    assert time.monotonic() - start < 2.0
+    assert signal.getsignal(sig) is before  # a second one during shutdown acts as it did before

@@ -189,6 +189,22 @@ def test_cpu_buffer_is_shared_both_ways_and_close_unlinks_it(peer):
         peer("open", desc.SerializeToString())
 
 
+def test_an_unlinked_name_leaves_the_shared_memory_working_and_nothing_in_dev_shm(peer):
+    owner = SharedTensor.wrap("weights", torch.zeros(2, 3))
+    desc = owner.describe()
+    peer("open", desc.SerializeToString())
+    owner.unlink_name()
+    assert desc.shm_name not in _segments()
+    owner.tensor[0].fill_(5.0)
+    assert peer("read", "weights")[0] == [5.0] * 3  # both mappings still see one memory
+    peer("write", "weights", 1, 2.0)
+    assert owner.tensor[1].tolist() == [2.0] * 3
+    with pytest.raises(PeerFailed, match="does not exist"):
+        peer("open", desc.SerializeToString())  # nobody new can open it
+    peer("close", "weights")
+    owner.close()  # nothing left to unlink: no error
+
+
 def test_opening_registers_nothing_with_the_resource_tracker(monkeypatch):
     """Python 3.11/3.12 unlink every segment a process registered when it exits: the owner's."""
     owner = SharedTensor.allocate("features", (3, 5), torch.bfloat16, "cpu")
