@@ -47,6 +47,11 @@ class VerifierDeployment:
     def stats(self) -> dict:
         return self.verifier.stats()
 
+    def check_health(self) -> None:
+        """Serve calls it every health_check_period_s and replaces the replica when it raises;
+        the router calls it for grpc.health.v1."""
+        self.verifier.check_health()
+
     def __del__(self):
         verifier = getattr(self, "verifier", None)
         if verifier is not None:

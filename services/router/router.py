@@ -43,6 +43,7 @@ from services.router.validation import (
 )
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+HEALTH_CHECK_TIMEOUT_S = 5.0  # a verifier busy with a long prefill still answers within this
 
 # A verifier call lost to its replica (died, restarting, unreachable): retryable, UNAVAILABLE.
 _REPLICA_GONE = (RayActorError, NodeDiedError, ReplicaUnavailableError)
@@ -148,10 +149,17 @@ class Router:
     # -- grpc.health.v1.Health -------------------------------------------------------------------
 
     async def Check(self, request, grpc_context):  # noqa: N802
+        """SERVING while a verifier replica answers its health check in time, NOT_SERVING otherwise
+        (its engine loop stopped, a sticky CUDA error, no replica up): a load balancer then sends
+        requests elsewhere instead of into errors."""
         if request.service not in ("", GENERATION_SERVICE):
             _set_status(grpc_context, grpc.StatusCode.NOT_FOUND,
                         f"unknown service {request.service!r}; this server serves {GENERATION_SERVICE!r}")
             return health_pb2.HealthCheckResponse()
+        try:
+            await asyncio.wait_for(self.verifier.check_health.remote(), timeout=HEALTH_CHECK_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - any failure or a timeout: not serving
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
     # -- one request -----------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 
 from services.config import ServeConfig
 from services.engine.loader import assemble_engine, build_engine, resolve_dtype
-from services.engine.request import RequestOutput
+from services.engine.request import RequestOutput, SpecStats
 from services.engine.sampling import SamplingParams
 from services.engine.stopping import FinishReason
 from services.models import TargetModel
@@ -93,6 +93,7 @@ class Verifier:
         self._arrivals: dict[str, float] = {}
         self._last_emit: dict[str, float] = {}
         self._stop = threading.Event()
+        self._loop_error = ""
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -140,6 +141,16 @@ class Verifier:
     # -- the engine loop -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as err:  # noqa: BLE001 - nothing may leave requests waiting forever
+            self._loop_error = f"{type(err).__name__}: {err}"
+            log.exception("the engine loop stopped; this replica fails its health check from now on")
+            for request_id in list(self._queues):  # their streams end with the reason
+                self._deliver(RequestOutput(request_id, [], "", True, FinishReason.ERROR, 0, 0, SpecStats(),
+                                            error=f"the engine loop stopped: {self._loop_error}"))
+
+    def _loop(self) -> None:
         losses = 0
         while not self._stop.is_set():
             try:
@@ -230,6 +241,15 @@ class Verifier:
             "vocab_size": self.engine.vocab_size,
             "topology": self.config.topology,
         }
+
+    def check_health(self) -> None:
+        """Raises when this replica can no longer serve (Serve then replaces it, and the router
+        reports NOT_SERVING meanwhile): its engine loop stopped, or its GPU holds a sticky error
+        (after one, every CUDA call of the process fails)."""
+        if not self._thread.is_alive():
+            raise RuntimeError(f"the engine loop stopped: {self._loop_error or 'it was shut down'}")
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
 
     def stats(self) -> dict:
         """Engine state for health checks and tests."""

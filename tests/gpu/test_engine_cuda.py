@@ -84,15 +84,19 @@ def test_bf16_gemma_style_drafter_runs_and_stays_lossless_in_float32_target():
             assert seq.output_ids == hf_greedy(model, prompt, 50)
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_split_drafter_over_cuda_ipc_matches_the_colocated_engine(graphs, tmp_path):
+def test_split_drafter_over_cuda_ipc_matches_the_colocated_engine(graphs, tied, tmp_path):
     """The drafter in a process of its own maps the verifier's feature ring, embedding and LM head
-    by CUDA IPC; with graphs the verify replays a graph fed with the host's drafts."""
+    (one buffer when tied) by CUDA IPC, and writes its drafts into the verifier's buffer; with
+    graphs the verify replays a graph that copies them in on the device."""
     from services.drafter.server import spawn_drafter_process
     from services.models import save_drafter
     from services.verifier.remote_drafter import RemoteProposer
 
     model = tiny_target("qwen3", layers=4, vocab=V, seed=7).float().cuda()
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
     cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
                          layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
     drafter = random_drafter(cfg, seed=3, dtype=torch.float32).cuda()

@@ -23,6 +23,7 @@ from services.api.dflash.v1 import generation_pb2, generation_pb2_grpc
 from services.engine.request import RequestOutput, SpecStats
 from services.engine.sampling import SamplingParams
 from services.engine.stopping import FinishReason
+from services.router import router as router_module
 from services.router.router import Router, RpcFailed
 from tests.tokenizer import train_tiny_tokenizer
 
@@ -80,6 +81,8 @@ class FakeVerifier:
         self.model_info_calls = 0
         self.generate = SimpleNamespace(options=self._options)
         self.model_info = SimpleNamespace(remote=self._model_info)
+        self.health = None  # None: healthy; an exception: raised; "hang": never answers
+        self.check_health = SimpleNamespace(remote=self._check_health)
 
     def _options(self, *, stream):
         assert stream
@@ -89,6 +92,12 @@ class FakeVerifier:
         self.calls.append(Call(prompt_ids, params, request_id))
         self.streams.append(FakeStream(self.script(prompt_ids, params, request_id)))
         return self.streams[-1]
+
+    async def _check_health(self):
+        if self.health == "hang":
+            await asyncio.Event().wait()
+        if self.health is not None:
+            raise self.health
 
     async def _model_info(self):
         self.model_info_calls += 1
@@ -541,6 +550,20 @@ def test_health_check_serves_the_server_and_the_generation_service(tokenizer):
     context = FakeContext()
     asyncio.run(router.Check(health_pb2.HealthCheckRequest(service="other.Service"), context))
     assert context.code == Code.NOT_FOUND and "other.Service" in context.details
+
+
+@pytest.mark.parametrize("health", [RuntimeError("the engine loop stopped: CUDA error"), ActorDiedError(), "hang"],
+                         ids=["unhealthy", "replica-gone", "no-answer"])
+def test_health_check_is_not_serving_while_the_verifier_fails_its_own(tokenizer, health, monkeypatch):
+    monkeypatch.setattr(router_module, "HEALTH_CHECK_TIMEOUT_S", 0.2)
+    verifier = FakeVerifier()
+    router = make_router(tokenizer, verifier)
+    check = lambda: asyncio.run(router.Check(health_pb2.HealthCheckRequest(), FakeContext())).status  # noqa: E731
+    assert check() == health_pb2.HealthCheckResponse.SERVING
+    verifier.health = health
+    assert check() == health_pb2.HealthCheckResponse.NOT_SERVING
+    verifier.health = None  # Serve replaced the replica
+    assert check() == health_pb2.HealthCheckResponse.SERVING
 
 
 # -- the client, over a real gRPC server hosting the router ---------------------------------------
