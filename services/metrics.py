@@ -95,6 +95,14 @@ class ReplicaMetrics:
                                       tag_keys=TAG_KEYS + spec.extra_tags, **kwargs)
             metric.set_default_tags({"model": model, "deployment": deployment, "replica": replica})
             self._metrics[spec.name] = metric
+            if spec.kind == "counter" and not spec.extra_tags:
+                self.start_at_zero(spec.name)
+
+    def start_at_zero(self, name: str, **tags: str) -> None:
+        """Export a counter's series at 0, so that an alert or panel on it has a series before
+        the first event (a drafter restart may never come). Counter.inc refuses 0; recording the
+        point is what inc does after that check (ray 2.60, pinned)."""
+        self._metrics[name]._record(0.0, tags=tags or None)
 
     def inc(self, name: str, value: float = 1.0, **tags: str) -> None:
         if value:

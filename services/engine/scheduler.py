@@ -46,6 +46,7 @@ class Scheduler:
         self.lookahead = lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # since start, for the server's counter
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -86,6 +87,7 @@ class Scheduler:
         victim.status = SequenceStatus.WAITING
         self.waiting.appendleft(victim)
         plan.preempted.append(victim)
+        self.num_preemptions += 1
         return victim
 
     def preempt_all(self) -> None:

@@ -28,6 +28,7 @@ from services.models import TargetModel
 from services.models.checkpoint import read_draft_config, resolve_checkpoint
 
 log = logging.getLogger(__name__)
+GAUGE_PERIOD_S = 1.0  # gauges are set again this often (Ray exports what was recorded lately)
 
 
 def spawn_drafter_actor(config: ServeConfig) -> tuple:
@@ -88,6 +89,9 @@ class Verifier:
             self.draft_block_size = draft_cfg.block_size
             self._pending_address = None  # a restarted drafter's address, while it is asked for
             self._connect_drafter(address)
+        if self.metrics is not None and engine_cfg.drafter:
+            for position in range(getattr(self, "draft_block_size", self.engine.block_size) - 1):
+                self.metrics.start_at_zero("dflash_spec_decode_num_accepted_tokens_per_pos", position=str(position))
         self._commands: queue.Queue = queue.Queue()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._arrivals: dict[str, float] = {}
@@ -114,8 +118,6 @@ class Verifier:
         )
         self.engine.attach_proposer(proposer)
         self._remote_proposer = proposer
-        if self.metrics:
-            self.metrics.set("dflash_speculative_enabled", 1)
 
     def _reattach_if_lost(self) -> None:
         """Called between steps: after a drafter loss, reconnect once the restarted actor answers.
@@ -151,8 +153,12 @@ class Verifier:
                                             error=f"the engine loop stopped: {self._loop_error}"))
 
     def _loop(self) -> None:
-        losses = 0
+        losses = preemptions = 0
+        next_gauges = 0.0
         while not self._stop.is_set():
+            if time.monotonic() >= next_gauges:  # also while idle: a gauge set once is not exported
+                self._set_gauges()
+                next_gauges = time.monotonic() + GAUGE_PERIOD_S
             try:
                 while True:
                     self._commands.get_nowait()()
@@ -167,11 +173,10 @@ class Verifier:
                     pass
                 continue
             outputs = self.engine.step()
-            if self.engine.proposer_losses != losses:
-                losses = self.engine.proposer_losses
-                if self.metrics:
-                    self.metrics.inc("dflash_drafter_restarts")
-                    self.metrics.set("dflash_speculative_enabled", 0)
+            if self.metrics:  # ReplicaMetrics.inc skips zeros
+                self.metrics.inc("dflash_drafter_restarts", self.engine.proposer_losses - losses)
+                self.metrics.inc("dflash_num_preemptions", self.engine.scheduler.num_preemptions - preemptions)
+            losses, preemptions = self.engine.proposer_losses, self.engine.scheduler.num_preemptions
             for out in outputs:
                 self._deliver(out)
             self._record_step()
@@ -289,9 +294,16 @@ class Verifier:
         if proposer is not None:
             for seconds in proposer.drain_transport_seconds():
                 m.observe("dflash_step_phase_seconds", seconds, phase="transport")
+        self._set_gauges()
+
+    def _set_gauges(self) -> None:
+        m, engine = self.metrics, self.engine
+        if m is None:
+            return
         m.set("dflash_num_requests_running", engine.num_running)
         m.set("dflash_num_requests_waiting", engine.num_waiting)
         m.set("dflash_kv_cache_usage_perc", engine.kv_usage)
+        m.set("dflash_speculative_enabled", int(engine.proposer is not None))
 
     def _record_request(self, out: RequestOutput) -> None:
         arrival = self._arrivals.pop(out.request_id, None)

@@ -62,6 +62,7 @@ def test_preemption_under_block_pressure_stays_lossless_and_leaks_nothing(target
         peak_usage = max(peak_usage, engine.kv_usage)
         assert engine.num_running <= 5 and engine.num_running + engine.num_waiting <= 5
     assert preempted > 0, "the test did not exercise preemption"
+    assert engine.scheduler.num_preemptions >= preempted  # what the server's counter reports
     assert 0.5 < peak_usage <= 1.0 and engine.kv_usage == 0.0
     for rid, p in zip(refs, prompts, strict=True):
         assert engine.sequences[rid].output_ids == refs[rid][len(p) : len(p) + 40], rid
