@@ -8,6 +8,7 @@ through it (see services/verifier).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 
@@ -70,7 +71,8 @@ class RouterDeployment:
         )
         self.router = Router(verifier, cfg.engine.target, max_model_len=max_len,
                              max_tokens_limit=cfg.engine.max_tokens_limit,
-                             default_max_tokens=cfg.default_max_tokens, max_pending=cfg.max_pending)
+                             default_max_tokens=cfg.default_max_tokens, max_pending=cfg.max_pending,
+                             running_verifiers=_running_verifiers)
 
     async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method names
         # aclosing: a cancelled client closes the router's stream at once, which frees the request.
@@ -86,6 +88,15 @@ class RouterDeployment:
 
     async def Check(self, request, grpc_context):  # noqa: N802 - grpc.health.v1
         return await self.router.Check(request, grpc_context)
+
+
+async def _running_verifiers() -> int:
+    """Verifier replicas RUNNING in this application, as the Serve controller sees them."""
+    from ray import serve
+
+    app = serve.get_replica_context().app_name
+    status = await asyncio.get_running_loop().run_in_executor(None, serve.status)
+    return status.applications[app].deployments["Verifier"].replica_states.get("RUNNING", 0)
 
 
 def _bundle(cpus: float, gpus: float) -> dict:

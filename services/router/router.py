@@ -15,7 +15,9 @@ return an empty message instead, which carries the status as is.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -44,6 +46,8 @@ from services.router.validation import (
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 HEALTH_CHECK_TIMEOUT_S = 5.0  # a verifier busy with a long prefill still answers within this
+FIRST_OUTPUT_CHECK_S = 1.0  # how often a request with no output yet asks whether any verifier runs
+log = logging.getLogger(__name__)
 
 # A verifier call lost to its replica (died, restarting, unreachable): retryable, UNAVAILABLE.
 _REPLICA_GONE = (RayActorError, NodeDiedError, ReplicaUnavailableError)
@@ -70,8 +74,10 @@ class Router:
         max_tokens_limit: int,
         default_max_tokens: int,
         max_pending: int,
+        running_verifiers: Callable[[], Awaitable[int]] | None = None,
     ):
-        """tokenizer: the target's tokenizer folder or hub id, or a loaded tokenizer."""
+        """tokenizer: the target's tokenizer folder or hub id, or a loaded tokenizer.
+        running_verifiers: how many verifier replicas are up (None: never asked)."""
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
 
@@ -82,6 +88,7 @@ class Router:
         self.max_tokens_limit = max_tokens_limit
         self.default_max_tokens = default_max_tokens
         self.max_pending = max_pending
+        self.running_verifiers = running_verifiers
         self.max_prompt_bytes = max_prompt_bytes(tokenizer, max_model_len)
         self._in_flight: set[str] = set()  # request ids admitted and not yet finished
         self._model_info: dict | None = None  # the verifier's, fetched once
@@ -104,8 +111,15 @@ class Router:
             stream = self.verifier.generate.options(stream=True).remote(prompt_ids, params, request_id)
             last: RequestOutput | None = None
             try:
-                async for last in stream:
-                    yield _response(request_id, last)
+                outputs = stream.__aiter__()
+                first = await self._first_output(outputs, grpc_context)
+                if first is not None:
+                    last = first
+                    yield _response(request_id, first)
+                    async for last in outputs:
+                        yield _response(request_id, last)
+            except RpcFailed:
+                raise
             except Exception as err:  # noqa: BLE001 - the verifier call failed; CancelledError passes
                 raise _verifier_failed(grpc_context, err, produced=last is not None) from None
             finally:
@@ -207,6 +221,31 @@ class Router:
                 messages, add_generation_prompt=True, tokenize=True, return_dict=False))
         except TemplateError as err:  # the template's own checks, e.g. roles that must alternate
             raise InvalidRequest(f"the chat template refused these messages: {err}") from None
+
+    async def _first_output(self, outputs, grpc_context) -> RequestOutput | None:
+        """The stream's first output (None if it ended at once). While none has come, ask every
+        FIRST_OUTPUT_CHECK_S whether a verifier replica is running at all: during a replica's
+        restart Serve would hold the call until one is back (~20 s), so fail fast instead."""
+        first = asyncio.ensure_future(outputs.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({first}, timeout=FIRST_OUTPUT_CHECK_S)
+                if done:
+                    return first.result()
+                if self.running_verifiers is not None and await self._none_running():
+                    raise _abort(grpc_context, grpc.StatusCode.UNAVAILABLE,
+                                 "no verifier replica is running (one is starting or restarting): retry shortly")
+        except StopAsyncIteration:
+            return None
+        finally:
+            first.cancel()
+
+    async def _none_running(self) -> bool:
+        try:
+            return await self.running_verifiers() == 0
+        except Exception:  # noqa: BLE001 - no answer from the controller proves nothing: keep waiting
+            log.warning("could not read the verifier replicas' state", exc_info=True)
+            return False
 
     async def _verifier_model_info(self) -> dict:
         if self._model_info is None:

@@ -225,3 +225,36 @@ def test_every_series_the_dashboards_query_is_in_a_live_scrape(app):
     while missing() and time.monotonic() < deadline:
         time.sleep(1)
     assert missing() == set()
+
+
+def test_a_verifier_replica_dying_is_unavailable_then_fails_fast_until_one_is_back(app):
+    """Last here: it restarts the verifier. Streams it held end UNAVAILABLE (retryable), requests
+    sent while no replica runs fail fast instead of waiting out the restart, and it comes back."""
+    import ray
+
+    stub = app["stub"]
+    long = generation_pb2.GenerateRequest(prompt="import os",
+                                          sampling=generation_pb2.SamplingParams(max_tokens=480, ignore_eos=True))
+    calls = [stub.Generate(long, timeout=120) for _ in range(2)]
+    for call in calls:
+        next(call)
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("SERVE_REPLICA::dflash#Verifier#")]
+    assert len(replicas) == 1
+    ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "retry" in err.value.details()
+
+    def served():
+        start = time.monotonic()
+        try:
+            _stream(stub, prompt="x = ", sampling=generation_pb2.SamplingParams(max_tokens=4))
+            return True
+        except grpc.RpcError as err:  # only while no replica runs, and promptly
+            assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+            assert time.monotonic() - start < 10
+            return False
+
+    _wait(served, timeout=180, what="a new verifier replica to serve")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -422,6 +423,34 @@ def test_losing_the_verifier_replica_is_unavailable_so_clients_retry(tokenizer, 
     assert context.code == Code.UNAVAILABLE and "retry" in context.details
     assert type(error).__name__ in context.details
     assert verifier.streams[0].cancelled
+
+
+def test_with_no_verifier_replica_running_a_request_fails_fast_as_unavailable(tokenizer, monkeypatch):
+    """During a replica's restart Serve holds calls until one is back (~20 s): the router asks."""
+    monkeypatch.setattr(router_module, "FIRST_OUTPUT_CHECK_S", 0.05)
+    running = [0]
+
+    async def running_verifiers():
+        return running[0]
+
+    verifier = FakeVerifier(hangs_after_first_round)
+    verifier.script = lambda *args: _after(hangs_after_first_round(*args), 10.0)
+    router = make_router(tokenizer, verifier, running_verifiers=running_verifiers)
+    start = time.monotonic()
+    responses, context = generate(router, generation_pb2.GenerateRequest(prompt="hi"))
+    assert responses == [] and context.code == Code.UNAVAILABLE and "retry" in context.details
+    assert time.monotonic() - start < 1.0 and verifier.streams[0].cancelled
+    # With a replica running, a slow first output is waited for (a long prefill, a busy batch).
+    running[0] = 1
+    verifier.script = lambda *args: _after(three_rounds(*args), 0.3)
+    responses, context = generate(router, generation_pb2.GenerateRequest(prompt="hi"))
+    assert context.code is None and [r.text for r in responses] == ["ab", "cd", "e"]
+
+
+async def _after(outputs, seconds: float):
+    await asyncio.sleep(seconds)
+    async for out in outputs:
+        yield out
 
 
 def test_a_stream_ending_without_a_finished_output_is_internal(tokenizer):
