@@ -99,6 +99,15 @@ async def _running_verifiers() -> int:
     return status.applications[app].deployments["Verifier"].replica_states.get("RUNNING", 0)
 
 
+def _replicas(low: int, high: int, *, target: int) -> dict:
+    """A fixed replica count, or Serve autoscaling between `low` and `high` aiming at `target`
+    ongoing requests per replica."""
+    if high <= low:
+        return {"num_replicas": low}
+    return {"autoscaling_config": {"min_replicas": low, "initial_replicas": low, "max_replicas": high,
+                                   "target_ongoing_requests": target}}
+
+
 def _bundle(cpus: float, gpus: float) -> dict:
     return {"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus}
 
@@ -110,7 +119,7 @@ def build_app(config: ServeConfig):
     split = config.topology == "split"
     verifier_options = dict(
         name="Verifier",
-        num_replicas=config.num_replicas,
+        **_replicas(config.num_replicas, config.max_replicas, target=config.engine.max_num_seqs),
         # Headroom over max_pending for control calls (stats, model info), which must not queue behind streams.
         max_ongoing_requests=config.max_pending + CONTROL_HEADROOM,
         ray_actor_options={"num_cpus": VERIFIER_CPUS, "num_gpus": config.gpus_per_verifier},
@@ -123,7 +132,9 @@ def build_app(config: ServeConfig):
     verifier = serve.deployment(VerifierDeployment, **verifier_options).bind(config.to_dict())
     # Headroom over max_pending: the router itself answers RESOURCE_EXHAUSTED rather than Serve queueing.
     router = serve.deployment(RouterDeployment, name="Router", max_ongoing_requests=config.max_pending + CONTROL_HEADROOM,
-                              ray_actor_options={"num_cpus": ROUTER_CPUS})
+                              ray_actor_options={"num_cpus": ROUTER_CPUS},
+                              **_replicas(config.router_replicas, config.router_max_replicas,
+                                          target=max(1, config.max_pending // 2)))
     return router.bind(verifier, config.to_dict())
 
 

@@ -69,9 +69,15 @@ class ServeConfig:
     # split: verifier and drafter are separate actors (the product's shape); colocated: one process.
     topology: str = "split"
     num_replicas: int = 1
+    # Above num_replicas: Serve autoscales the verifier between the two, adding a replica while
+    # the replicas average more ongoing requests than engine.max_num_seqs (a full batch). 0: fixed.
+    max_replicas: int = 0
+    # Router (gRPC ingress) replicas, and as above, their autoscaling bound (target: max_pending / 2).
+    router_replicas: int = 1
+    router_max_replicas: int = 0
     grpc_port: int = 9000
     metrics_port: int = 8080
-    # Requests in flight per router replica before RESOURCE_EXHAUSTED.
+    # Requests in flight per router replica (each has its own count) before RESOURCE_EXHAUSTED.
     max_pending: int = 256
     default_max_tokens: int = 256
     # GPUs per verifier replica when engine.device is cuda (none on CPU). Its drafter runs on the
@@ -90,8 +96,12 @@ class ServeConfig:
             raise ValueError(f"topology={self.topology!r}: choose one of {', '.join(TOPOLOGIES)}")
         if self.topology == "split" and not self.engine.drafter:
             raise ValueError("topology=split needs engine.drafter (or use topology=colocated for target-only)")
-        if self.num_replicas < 1 or self.max_pending < 1 or self.default_max_tokens < 1:
-            raise ValueError("num_replicas, max_pending and default_max_tokens must be positive")
+        if min(self.num_replicas, self.router_replicas, self.max_pending, self.default_max_tokens) < 1:
+            raise ValueError("num_replicas, router_replicas, max_pending and default_max_tokens must be positive")
+        for low, high in (("num_replicas", "max_replicas"), ("router_replicas", "router_max_replicas")):
+            if getattr(self, high) and getattr(self, high) < getattr(self, low):
+                raise ValueError(f"{high}={getattr(self, high)} is below {low}={getattr(self, low)}: "
+                                 f"set it to at least {low} to autoscale, or 0 for a fixed count")
 
     @classmethod
     def from_dict(cls, raw: dict) -> ServeConfig:

@@ -132,7 +132,8 @@ def test_gpu_workers_request_their_gpus_and_land_on_gpu_nodes(rendered, values):
     workers = chart_values(values)["gpuWorkers"]
     group = rendered.worker_group
     assert group["groupName"] == workers["groupName"]
-    assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == workers["replicas"]
+    assert group["replicas"] == group["minReplicas"] == workers["replicas"]
+    assert group["maxReplicas"] == max(workers["replicas"], workers["maxReplicas"])
     resources = group["template"]["spec"]["containers"][0]["resources"]
     for kind in ("requests", "limits"):
         assert resources[kind]["nvidia.com/gpu"] == str(workers["gpusPerPod"])
@@ -276,3 +277,31 @@ def test_notes_give_a_working_grpc_client_example(rendered, values):
     assert service == descriptor.full_name and method in descriptor.methods_by_name
     (client,) = [line.strip() for line in notes.splitlines() if line.strip().startswith("dflash client")]
     assert f"--address 127.0.0.1:{ports['grpc']}" in client
+
+
+def test_the_head_pod_is_kept_out_of_the_serve_service(rendered):
+    """Ray runs a Serve proxy on the head too: in the Service, it would take (and pin) gRPC clients."""
+    assert rendered.rayservice["spec"]["excludeHeadPodFromServeSvc"] is True
+
+
+def test_gpu_workers_autoscale_only_when_max_replicas_is_above_replicas():
+    fixed = render({}).cluster
+    assert fixed["enableInTreeAutoscaling"] is False and "autoscalerOptions" not in fixed
+    group = fixed["workerGroupSpecs"][0]
+    assert group["minReplicas"] == group["maxReplicas"] == group["replicas"] == 1
+    scaling = render({"gpuWorkers": {"replicas": 2, "maxReplicas": 5, "idleTimeoutSeconds": 120}}).cluster
+    assert scaling["enableInTreeAutoscaling"] is True
+    assert scaling["autoscalerOptions"]["idleTimeoutSeconds"] == 120
+    assert scaling["autoscalerOptions"]["securityContext"]["allowPrivilegeEscalation"] is False
+    group = scaling["workerGroupSpecs"][0]
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (2, 2, 5)
+
+
+def test_a_disruption_budget_keeps_drains_to_one_gpu_pod_at_a_time(rendered, values):
+    budget = rendered.one("PodDisruptionBudget", "-gpu-workers")
+    assert budget["spec"]["maxUnavailable"] == 1
+    worker_labels = rendered.pod_templates()[chart_values(values)["gpuWorkers"]["groupName"]]["metadata"]["labels"]
+    assert budget["spec"]["selector"]["matchLabels"].items() <= worker_labels.items()
+    assert budget["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "gpu-worker"
+    off = render({"gpuWorkers": {"podDisruptionBudget": {"enabled": False, "maxUnavailable": 1}}})
+    assert not [o for o in off.objects if o["kind"] == "PodDisruptionBudget"]

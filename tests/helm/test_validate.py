@@ -12,13 +12,14 @@ import kubernetes_validate
 import pytest
 from ray.serve.schema import ServeDeploySchema
 
-from services.app import app_from_env
+from services.app import app_from_env, build_app
+from services.config import EngineConfig, ServeConfig
 from tests.helm.chart import chart_values, render
 from tests.helm.kube_schemas import KUBERAY_CRDS, crd_errors
 
 # The chart's kubeVersion floor and the newest release kubernetes-validate knows.
 KUBE_VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
-CORE_KINDS = {"ConfigMap", "Service", "PersistentVolumeClaim", "Pod"}
+CORE_KINDS = {"ConfigMap", "Service", "PersistentVolumeClaim", "Pod", "PodDisruptionBudget"}
 # Checked against their CRDs below (RayService) or field by field in test_render (monitors).
 CUSTOM_KINDS = {"RayService", "PodMonitor", "ServiceMonitor"}
 
@@ -138,6 +139,27 @@ def test_the_app_builds_from_the_mounted_config_and_fits_the_gpu_workers(rendere
     assert 0 < replica_gpus <= workers["gpusPerPod"], "a verifier replica and its drafter share one pod"
     per_pod = min(math.floor(workers["gpusPerPod"] / replica_gpus),
                   math.floor(cpus(workers["resources"]["limits"]["cpu"]) / replica_cpus))
-    assert verifier.num_replicas <= per_pod * workers["replicas"], (
-        f"{verifier.num_replicas} verifier replicas of {replica_gpus} GPU do not fit "
-        f"{workers['replicas']} pods of {workers['gpusPerPod']} GPUs")
+    autoscaling = verifier._deployment_config.autoscaling_config
+    low, high = ((autoscaling.min_replicas, autoscaling.max_replicas) if autoscaling
+                 else (verifier.num_replicas, verifier.num_replicas))
+    pods = max(workers["replicas"], workers["maxReplicas"])
+    assert low <= per_pod * workers["replicas"] and high <= per_pod * pods, (
+        f"{low}..{high} verifier replicas of {replica_gpus} GPU do not fit {workers['replicas']}..{pods} "
+        f"pods of {workers['gpusPerPod']} GPUs")
+
+
+def test_replica_bounds_become_serve_autoscaling_aimed_at_a_full_batch(tmp_path, monkeypatch):
+    config = ServeConfig(engine=EngineConfig(target="t", drafter="d", max_num_seqs=48), num_replicas=2,
+                         max_replicas=6, router_replicas=2, router_max_replicas=3, max_pending=300)
+    router = build_app(config)._bound_deployment
+    verifier = router.init_args[0]._bound_deployment
+    scaling = verifier._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.initial_replicas, scaling.max_replicas) == (2, 2, 6)
+    assert scaling.target_ongoing_requests == 48  # a replica's running batch is full
+    scaling = router._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (2, 3, 150)
+    fixed = build_app(ServeConfig(engine=EngineConfig(target="t", drafter="d"), num_replicas=3))._bound_deployment
+    assert fixed._deployment_config.autoscaling_config is None and fixed.num_replicas == 1
+    assert fixed.init_args[0]._bound_deployment.num_replicas == 3
+    with pytest.raises(ValueError, match="max_replicas=2 is below num_replicas=3"):
+        ServeConfig(engine=EngineConfig(target="t", drafter="d"), num_replicas=3, max_replicas=2).validate()
