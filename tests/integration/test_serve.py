@@ -252,9 +252,9 @@ def test_a_verifier_replica_dying_is_unavailable_then_fails_fast_until_one_is_ba
         try:
             _stream(stub, prompt="x = ", sampling=generation_pb2.SamplingParams(max_tokens=4))
             return True
-        except grpc.RpcError as err:  # only while no replica runs, and promptly
+        except grpc.RpcError as err:  # only while no replica runs, and without waiting out the restart
             assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
-            assert time.monotonic() - start < 10
+            assert time.monotonic() - start < 30  # 1 s locally, 10 s seen on a loaded 2-core CI machine
             return False
 
     _wait(served, timeout=180, what="a new verifier replica to serve")
