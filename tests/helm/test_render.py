@@ -289,7 +289,8 @@ def test_gpu_workers_autoscale_only_when_max_replicas_is_above_replicas():
     assert fixed["enableInTreeAutoscaling"] is False and "autoscalerOptions" not in fixed
     group = fixed["workerGroupSpecs"][0]
     assert group["minReplicas"] == group["maxReplicas"] == group["replicas"] == 1
-    scaling = render({"gpuWorkers": {"replicas": 2, "maxReplicas": 5, "idleTimeoutSeconds": 120}}).cluster
+    scaling = render({"gpuWorkers": {"replicas": 2, "maxReplicas": 5, "idleTimeoutSeconds": 120},
+                      "models": {"pvc": {"accessModes": ["ReadWriteMany"]}}}).cluster
     assert scaling["enableInTreeAutoscaling"] is True
     assert scaling["autoscalerOptions"]["idleTimeoutSeconds"] == 120
     assert scaling["autoscalerOptions"]["securityContext"]["allowPrivilegeEscalation"] is False
@@ -305,3 +306,44 @@ def test_a_disruption_budget_keeps_drains_to_one_gpu_pod_at_a_time(rendered, val
     assert budget["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "gpu-worker"
     off = render({"gpuWorkers": {"podDisruptionBudget": {"enabled": False, "maxUnavailable": 1}}})
     assert not [o for o in off.objects if o["kind"] == "PodDisruptionBudget"]
+
+
+def test_a_read_write_once_model_volume_on_several_gpu_pods_is_refused_saying_what_to_use():
+    for workers in ({"replicas": 2}, {"replicas": 1, "maxReplicas": 3}):
+        with pytest.raises(helm_python.HelmRenderError, match="ReadWriteOnce, but up to [23] GPU worker pods"):
+            render({"gpuWorkers": workers})
+    render({"gpuWorkers": {"replicas": 2}, "models": {"pvc": {"accessModes": ["ReadWriteMany"]}}})
+    render({"gpuWorkers": {"replicas": 2}, "models": {"source": "hostPath", "hostPath": {"path": "/mnt/models"}}})
+
+
+def test_operator_pod_settings_reach_both_ray_pods():
+    values = {"pods": {
+        "labels": {"team": "llm"}, "annotations": {"example.com/owner": "platform"},
+        "priorityClassName": "llm-serving", "serviceAccountName": "dflash",
+        "extraEnv": [{"name": "NCCL_DEBUG", "value": "WARN"}],
+        "extraVolumes": [{"name": "certs", "secret": {"secretName": "ca"}}],
+        "extraVolumeMounts": [{"name": "certs", "mountPath": "/etc/ssl/extra", "readOnly": True}],
+        "scratch": {"tmpSizeLimit": "30Gi", "homeSizeLimit": "5Gi"}},
+        "gpuWorkers": {"topologySpreadConstraints": [
+            {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "gpu-worker"}}}]}}
+    rendered = render(values)
+    for group, template in rendered.pod_templates().items():
+        meta, spec = template["metadata"], template["spec"]
+        assert meta["labels"]["team"] == "llm" and meta["annotations"]["example.com/owner"] == "platform"
+        assert "checksum/dflash-config" in meta["annotations"]
+        assert spec["priorityClassName"] == "llm-serving" and spec["serviceAccountName"] == "dflash"
+        assert spec["automountServiceAccountToken"] is False
+        container = spec["containers"][0]
+        assert {"name": "NCCL_DEBUG", "value": "WARN"} in container["env"]
+        assert {"name": "certs", "mountPath": "/etc/ssl/extra", "readOnly": True} in container["volumeMounts"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["certs"]["secret"] == {"secretName": "ca"}
+        assert volumes["tmp"]["emptyDir"]["sizeLimit"] == "30Gi" and volumes["home"]["emptyDir"]["sizeLimit"] == "5Gi"
+        assert ("topologySpreadConstraints" in spec) == (group != "head")
+
+
+def test_scratch_space_is_bounded_by_default(rendered):
+    for template in rendered.pod_templates().values():
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        assert volumes["tmp"]["emptyDir"]["sizeLimit"] and volumes["home"]["emptyDir"]["sizeLimit"]

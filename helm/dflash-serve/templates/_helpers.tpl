@@ -75,9 +75,14 @@ applications:
   configMap:
     name: {{ include "dflash-serve.fullname" . }}-config
 - name: tmp
-  emptyDir: {}
+  emptyDir:
+    sizeLimit: {{ .Values.pods.scratch.tmpSizeLimit }}
 - name: home
-  emptyDir: {}
+  emptyDir:
+    sizeLimit: {{ .Values.pods.scratch.homeSizeLimit }}
+{{- with .Values.pods.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
 {{- end -}}
 
 {{- define "dflash-serve.commonMounts" -}}
@@ -89,6 +94,9 @@ applications:
   mountPath: /tmp
 - name: home
   mountPath: /home/dflash
+{{- with .Values.pods.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
 {{- end -}}
 
 {{- define "dflash-serve.commonEnv" -}}
@@ -96,11 +104,22 @@ applications:
   value: {{ include "dflash-serve.configPath" . }}
 - name: HOME
   value: /home/dflash
+{{- with .Values.pods.extraEnv }}
+{{ toYaml . }}
+{{- end }}
 {{- end -}}
+
+
 
 {{/* The pod-level settings both groups share. */}}
 {{- define "dflash-serve.podSpecCommon" -}}
 automountServiceAccountToken: false
+{{- with .Values.pods.serviceAccountName }}
+serviceAccountName: {{ . }}
+{{- end }}
+{{- with .Values.pods.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
 securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- with .Values.imagePullSecrets }}
