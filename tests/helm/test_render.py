@@ -347,3 +347,20 @@ def test_scratch_space_is_bounded_by_default(rendered):
     for template in rendered.pod_templates().values():
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
         assert volumes["tmp"]["emptyDir"]["sizeLimit"] and volumes["home"]["emptyDir"]["sizeLimit"]
+
+
+def test_the_network_policy_opens_ray_to_its_own_pods_and_the_operator_only(rendered, values):
+    policy = rendered.one("NetworkPolicy", "")
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    for template in rendered.pod_templates().values():
+        assert selector.items() <= template["metadata"]["labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    own, operator, clients, scrapers = policy["spec"]["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": selector}}]}  # every port, own pods only
+    assert operator["from"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"}
+    ports = chart_values(values)["ports"]
+    assert {p["port"] for p in clients["ports"]} == {ports["grpc"], ports["http"]}
+    assert [p["port"] for p in scrapers["ports"]] == [ports["metrics"]]
+    assert scrapers["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    off = render({"networkPolicy": {"enabled": False}})
+    assert not [o for o in off.objects if o["kind"] == "NetworkPolicy"]
