@@ -364,3 +364,13 @@ def test_the_network_policy_opens_ray_to_its_own_pods_and_the_operator_only(rend
     assert scrapers["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
     off = render({"networkPolicy": {"enabled": False}})
     assert not [o for o in off.objects if o["kind"] == "NetworkPolicy"]
+
+
+def test_gcs_fault_tolerance_uses_the_external_redis_and_its_secret():
+    assert "gcsFaultToleranceOptions" not in render({}).cluster
+    options = render({"gcsFaultTolerance": {"enabled": True, "redisAddress": "redis.db.svc:6379",
+                                            "passwordSecret": {"name": "redis", "key": "pw"}}}).cluster["gcsFaultToleranceOptions"]
+    assert options == {"redisAddress": "redis.db.svc:6379",
+                       "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis", "key": "pw"}}}}
+    with pytest.raises(helm_python.HelmRenderError, match="gcsFaultTolerance.redisAddress"):
+        render({"gcsFaultTolerance": {"enabled": True}})
