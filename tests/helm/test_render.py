@@ -343,10 +343,11 @@ def test_operator_pod_settings_reach_both_ray_pods():
         assert ("topologySpreadConstraints" in spec) == (group != "head")
 
 
-def test_scratch_space_is_bounded_by_default(rendered):
+def test_scratch_space_is_bounded_and_requested_by_default(rendered):
     for template in rendered.pod_templates().values():
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
         assert volumes["tmp"]["emptyDir"]["sizeLimit"] and volumes["home"]["emptyDir"]["sizeLimit"]
+        assert template["spec"]["containers"][0]["resources"]["requests"]["ephemeral-storage"] == "30Gi"
 
 
 def test_the_network_policy_opens_ray_to_its_own_pods_and_the_operator_only(rendered, values):
