@@ -7,6 +7,7 @@ the output lossless; the exported counters are consistent; health and reflection
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.request
 
@@ -258,3 +259,7 @@ def test_a_verifier_replica_dying_is_unavailable_then_fails_fast_until_one_is_ba
             return False
 
     _wait(served, timeout=180, what="a new verifier replica to serve")
+    stats = _wait(lambda: (s := _verifier_stats(app))["running"] == 0 and s["waiting"] == 0 and s, what="idle")
+    assert stats["kv_free_blocks"] == stats["kv_blocks"]
+    # The killed replica's shared buffers were unlinked once its drafter had mapped them.
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith("dflash_")]
