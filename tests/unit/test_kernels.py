@@ -553,7 +553,9 @@ def test_rope_kv_write_reference_is_transformers_qwen3_attention_input():
 @runs_triton
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("tokens, heads, kv_heads, head_dim", [(1, 4, 2, 16), (13, 8, 2, 32), (5, 2, 2, 24)])
+# (3, 20, 4, 16) and (2, 12, 4, 8): more heads than one program takes, its tiles splitting q and v heads.
+@pytest.mark.parametrize("tokens, heads, kv_heads, head_dim",
+                         [(1, 4, 2, 16), (13, 8, 2, 32), (5, 2, 2, 24), (3, 20, 4, 16), (2, 12, 4, 8)])
 def test_rope_kv_write_triton_matches_reference(dtype, qk_norm, tokens, heads, kv_heads, head_dim):
     from kernels.rope_kv_write import rope_kv_write_reference, rope_kv_write_triton
 
