@@ -8,11 +8,13 @@
   residual add before it.
 - `rope_kv_write`: a target layer's q/k norm + RoPE + paged K/V write, from its merged QKV output.
 - `silu_mul`: SiLU(gate) · up of a merged gate-up projection.
+- `row_argmax`: greedy token choice over a vocabulary (the first index of each row's maximum).
 
 The Triton kernels run when the tensors are on CUDA (or under TRITON_INTERPRET=1); otherwise, or
 without triton installed, the references run. Nothing here imports `services`.
 """
 
+from kernels.argmax import row_argmax, row_argmax_reference, row_argmax_triton
 from kernels.kv_injection import inject_context_kv, inject_context_kv_reference, inject_context_kv_triton
 from kernels.paged_attention import paged_attention, paged_attention_reference, paged_attention_triton
 from kernels.rms_norm import (
@@ -40,6 +42,9 @@ __all__ = [
     "rms_norm_reference",
     "rms_norm_triton",
     "rope_kv_write",
+    "row_argmax",
+    "row_argmax_reference",
+    "row_argmax_triton",
     "rope_kv_write_reference",
     "rope_kv_write_triton",
     "silu_mul",

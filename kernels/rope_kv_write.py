@@ -86,13 +86,14 @@ def rope_kv_write_triton(qkv, positions, cos, sin, slot_mapping, k_cache, v_cach
     has_q_norm, has_k_norm = q_norm_weight is not None, k_norm_weight is not None
     total_heads = num_heads + 2 * num_kv_heads
     block_heads = min(HEADS_PER_PROGRAM, triton.next_power_of_2(total_heads))
+    block_half = triton.next_power_of_2(head_dim // 2)
     _rope_kv_write_kernel[(num_tokens, triton.cdiv(total_heads, block_heads))](
         qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q,
         q_norm_weight if has_q_norm else qkv, k_norm_weight if has_k_norm else qkv, eps,
         qkv.stride(0), cos.stride(0), sin.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_HEADS=block_heads, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        HAS_Q_NORM=has_q_norm, HAS_K_NORM=has_k_norm, num_warps=4,
+        BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, HAS_Q_NORM=has_q_norm, HAS_K_NORM=has_k_norm,
+        num_warps=max(1, min(4, block_heads * block_half // 256)),
     )
     return q
 

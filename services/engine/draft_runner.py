@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from kernels import inject_context_kv
+from kernels import inject_context_kv, row_argmax
 from services.engine.fused_target import FusedLayer, FusedStack
 from services.engine.kv_cache import AttentionBatch, KVPool
 from services.models.draft import DFlashDraftModel
@@ -91,7 +91,7 @@ class DraftRunner:
     def propose(self, request_ids, bonus_ids, starts, batch) -> torch.Tensor:
         """Greedy drafts [N, B-1] for the tokens after each bonus token (spec §3.2: argmax drafts,
         verified by exact match against the target's own samples, are lossless at any temperature)."""
-        return self.draft_logits(bonus_ids, starts, batch).argmax(dim=-1)
+        return row_argmax(self.draft_logits(bonus_ids, starts, batch))
 
     def draft_logits(self, bonus_ids: torch.Tensor, starts: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """`DFlashDraftModel.draft_logits` [N, B-1, V] over the paged pool: the block's keys and

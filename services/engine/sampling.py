@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels import row_argmax
+
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -130,7 +132,7 @@ def sample_tokens(logits: Tensor, batch: SamplingBatch, positions: Tensor) -> Te
     (always at least the top token), then an exponential race with the request's seeded noise.
     """
     if batch.all_greedy:
-        return logits.argmax(dim=-1)
+        return row_argmax(logits)
     n, s, v = logits.shape
     flat_logits = logits.reshape(n * s, v)
     temperature, top_p, top_k, seed = batch.temperature, batch.top_p, batch.top_k, batch.seed
@@ -150,7 +152,7 @@ def sample_tokens(logits: Tensor, batch: SamplingBatch, positions: Tensor) -> Te
         tokens[part] = _sample_rows(rows, temperature[part], top_p[part], top_k[part], keys[part], batch)
     if index is None:
         return tokens.view(n, s)
-    return logits.argmax(dim=-1).index_copy_(0, index, tokens.view(-1, s))
+    return row_argmax(logits).index_copy_(0, index, tokens.view(-1, s))
 
 
 def accept_drafts(draft_tokens: Tensor, target_tokens: Tensor) -> Tensor:
@@ -179,7 +181,7 @@ def _sample_rows(
     # space that is argmax(scores - log E): no softmax needed (normalising shifts every score of
     # the row alike), and tokens with tiny probabilities do not underflow to 0.
     scores -= _log_exponentials(keys, scores.shape[1])
-    return scores.argmax(dim=-1)
+    return row_argmax(scores)
 
 
 def _truncation_threshold(scores: Tensor, top_p: Tensor, top_k: Tensor, batch: SamplingBatch) -> Tensor:

@@ -174,8 +174,9 @@ def test_attention_reference_window_beyond_context_is_full_attention():
 
 
 # Every dtype with the default kv split (1 at these sizes), and a forced split of 3 (each split's
-# partial softmax merged by the second kernel) in float32, where the merge is checked tightest.
-SPLIT_CASES = [(dtype, None) for dtype in TRITON_DTYPES] + [(torch.float32, 3)]
+# partial softmax merged by the second kernel) in float32, where the merge is checked tightest; 16
+# splits leave most of them empty at these lengths (no output written, none read by the merge).
+SPLIT_CASES = [(dtype, None) for dtype in TRITON_DTYPES] + [(torch.float32, 3), (torch.float32, 16)]
 if ON_CUDA:
     SPLIT_CASES.append((torch.bfloat16, 3))
 
@@ -576,3 +577,27 @@ def test_rope_kv_write_triton_matches_reference(dtype, qk_norm, tokens, heads, k
     untouched = torch.ones(flat(k_out).shape[0], dtype=torch.bool)
     untouched[slots] = False
     assert flat(k_out)[untouched].isnan().all() and flat(v_out)[untouched].isnan().all()
+
+
+# -- argmax ---------------------------------------------------------------------------------------
+
+
+@runs_triton
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 7), (3, 4096), (2, 3, 9000), (5, 12_289)])
+def test_row_argmax_triton_is_torch_argmax(dtype, shape):
+    """Random rows, and rows whose maximum is tied within a chunk, across chunks, and in the last,
+    partial chunk: the first index wins, as torch's."""
+    from kernels.argmax import BLOCK_COLS, row_argmax_reference, row_argmax_triton
+
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g).to(dtype)
+    flat = x.view(-1, shape[-1])
+    vocab = shape[-1]
+    for row, columns in enumerate([[vocab - 1], [0, vocab - 1], [vocab // 2, min(vocab - 1, vocab // 2 + BLOCK_COLS)]]):
+        if row < flat.shape[0]:
+            flat[row, columns] = 50.0
+    expected = row_argmax_reference(x)
+    got = row_argmax_triton(x.to(DEVICE))
+    assert got.shape == expected.shape and got.dtype == torch.long
+    assert torch.equal(got.cpu(), expected)
