@@ -235,13 +235,6 @@ if triton is not None:
         split_keys = tl.cdiv(tl.cdiv(key_end - key_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
         split_begin = key_begin + split * split_keys
         split_end = tl.minimum(split_begin + split_keys, key_end)
-        if NUM_SPLITS > 1:
-            if split_begin >= split_end:
-                # An empty split (the count is fixed at graph capture for the longest context, so
-                # at a short one most are): weight 0 in the merge and nothing else, at once.
-                partial_row = split * partial_rows_per_split + (q_begin + query) * num_heads + head
-                tl.store(partial_lse_ptr + partial_row, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
-                return
 
         q_offsets = (q_begin + query)[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :]
         q_tile = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
@@ -288,12 +281,10 @@ if triton is not None:
             out_offsets = token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]
             tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=store_mask)
         else:
-            # A row that saw no key in this split has weight 0 (lse -inf) in the merge, which then
-            # reads none of its output.
+            # An empty split contributes weight 0 (lse -inf) and output 0 to the merge.
             lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
             partial_row = split * partial_rows_per_split + token * num_heads + head
-            tl.store(partial_out_ptr + partial_row[:, None] * HEAD_DIM + dims[None, :], out,
-                     mask=store_mask & seen[:, None])
+            tl.store(partial_out_ptr + partial_row[:, None] * HEAD_DIM + dims[None, :], out, mask=store_mask)
             tl.store(partial_lse_ptr + partial_row, lse, mask=row_valid)
 
     @triton.jit
@@ -308,8 +299,7 @@ if triton is not None:
         partial_row = splits * partial_rows_per_split + token * num_heads + head
         lse = tl.load(partial_lse_ptr + partial_row, mask=splits < NUM_SPLITS, other=float("-inf"))
         weight = tl.exp2(lse - tl.max(lse, 0))  # the max is finite: some split saw the query's own key
-        # Splits that saw no key wrote no output (weight 0): not read.
-        partial_mask = ((splits < NUM_SPLITS) & (lse > float("-inf")))[:, None] & (dims < HEAD_DIM)[None, :]
+        partial_mask = (splits < NUM_SPLITS)[:, None] & (dims < HEAD_DIM)[None, :]
         partial_offsets = partial_row[:, None] * HEAD_DIM + dims[None, :]
         partial = tl.load(partial_out_ptr + partial_offsets, mask=partial_mask, other=0.0)
         out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)

@@ -66,10 +66,12 @@ def rope_kv_write_reference(qkv, positions, cos, sin, slot_mapping, k_cache, v_c
     return q.contiguous()
 
 
-# Heads of one token a program handles: at 512 tokens (a batch-32 verify) one program per (token,
-# head) was 24,576 single-warp programs of 256 bytes each, 16.5 µs at Qwen3-8B shapes where the bytes
-# move in ~4; a tile of heads gives each program kilobytes and keeps the grid one wave.
+# Heads of one token a program handles. At 512 tokens (a batch-32 verify) one program per (token,
+# head) was 24,576 single-warp programs of 256 bytes each: 16.6 µs at Qwen3-8B shapes, 5.3 with tiles
+# of 16 heads (2.3 -> 2.1 at 16 tokens). A lone decode token is the exception: its 48 one-head
+# programs take 1.7 µs, one 16-head tile 2.0 (H100, BENCHMARKS).
 HEADS_PER_PROGRAM = 16
+FEW_TOKENS = 8  # below this, a program per head
 
 
 def rope_kv_write_triton(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, *, num_heads, num_kv_heads,
@@ -85,7 +87,7 @@ def rope_kv_write_triton(qkv, positions, cos, sin, slot_mapping, k_cache, v_cach
         return q
     has_q_norm, has_k_norm = q_norm_weight is not None, k_norm_weight is not None
     total_heads = num_heads + 2 * num_kv_heads
-    block_heads = min(HEADS_PER_PROGRAM, triton.next_power_of_2(total_heads))
+    block_heads = 1 if num_tokens < FEW_TOKENS else min(HEADS_PER_PROGRAM, triton.next_power_of_2(total_heads))
     block_half = triton.next_power_of_2(head_dim // 2)
     _rope_kv_write_kernel[(num_tokens, triton.cdiv(total_heads, block_heads))](
         qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q,
