@@ -77,7 +77,8 @@ def test_serve_config_runs_the_app_and_the_grpc_services_of_services_app(rendere
 
 def test_config_file_is_the_users_block_plus_the_ports(rendered, values):
     merged = chart_values(values)
-    expected = {**merged["dflash"], "grpc_port": merged["ports"]["grpc"], "metrics_port": merged["ports"]["metrics"]}
+    expected = {**merged["dflash"], "grpc_port": merged["ports"]["grpc"], "http_port": merged["ports"]["http"],
+                "metrics_port": merged["ports"]["metrics"]}
     assert yaml.safe_load(rendered.dflash_config_text) == expected
     # Nothing is defaulted on the way: a key the user did not set is not in the file.
     assert "max_pending" not in yaml.safe_load(render({}).dflash_config_text)

@@ -36,7 +36,7 @@ The server's config file: the user's `dflash` block as given (no defaults added 
 ports this chart owns.
 */}}
 {{- define "dflash-serve.config" -}}
-{{- $ports := dict "grpc_port" .Values.ports.grpc "metrics_port" .Values.ports.metrics -}}
+{{- $ports := dict "grpc_port" .Values.ports.grpc "http_port" .Values.ports.http "metrics_port" .Values.ports.metrics -}}
 {{- toYaml (merge $ports (deepCopy .Values.dflash)) -}}
 {{- end -}}
 
