@@ -6,8 +6,12 @@ protocols (health stays open), and a client that disconnects mid-stream frees it
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
+import re
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import httpx
@@ -91,6 +95,29 @@ def test_chat_streams_the_grpc_apis_output(app, sdk, sampling):
         last.finish_reason]
 
 
+def test_the_readmes_quickstart_sdk_example_streams(app):
+    """The README's OpenAI SDK example, run as a user would, pointed at this server (its URL, key
+    and model name): it prints the completion the gRPC API gives for the same chat."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    quickstart = readme[readme.index("## Quickstart"):]
+    example = re.search(r"```python\n(.*?)```", quickstart, re.S).group(1)
+    for shown, here in (("http://127.0.0.1:8000/v1", app["base_url"]), ('api_key="none"', f'api_key="{KEY}"'),
+                        ('"SmolLM2-135M-Instruct"', f'"{MODEL}"')):
+        assert shown in example
+        example = example.replace(shown, here)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(example, "README.md", "exec"), {})  # noqa: S102 - the documented example itself
+    content = re.search(r'"content": "(.*?)"', example).group(1)
+    max_tokens = int(re.search(r"max_tokens=(\d+)", example).group(1))
+    reference, last = _grpc(app, chat=generation_pb2.ChatMessages(
+        messages=[generation_pb2.ChatMessage(role="user", content=content)]),
+        sampling=generation_pb2.SamplingParams(max_tokens=max_tokens))
+    text, summary = printed.getvalue().rsplit("\n-- ", 1)
+    assert text == reference
+    assert summary.startswith(f"{last.usage.completion_tokens} tokens;") and "speculative_decoding" in summary
+
+
 def test_completions_sync_and_async_equal_the_grpc_api(app, sdk):
     prompt = "class A:\n    def f(self):"
     reference, last = _grpc(app, prompt=prompt, sampling=generation_pb2.SamplingParams(max_tokens=20))
@@ -155,8 +182,12 @@ def _finished(app) -> float:
 
 
 def test_a_client_disconnecting_mid_stream_cancels_the_request_and_frees_every_block(app):
-    # A request run to its end shows in the counter (exported every second): it is live.
-    start = _finished(app)
+    # A request run to its end shows in the counter (exported every second): it is live. Earlier
+    # tests' requests reach it first.
+    start, previous = _finished(app), -1.0
+    while start != previous:
+        time.sleep(2)
+        start, previous = _finished(app), start
     _grpc(app, prompt="x", sampling=generation_pb2.SamplingParams(max_tokens=2))
     deadline = time.monotonic() + 30
     while (before := _finished(app)) == start and time.monotonic() < deadline:
