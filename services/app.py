@@ -1,4 +1,5 @@
-"""The Ray Serve application: a gRPC router in front of verifier replicas (each with its drafter).
+"""The Ray Serve application: a router (gRPC and the OpenAI HTTP API) in front of verifier
+replicas (each with its drafter).
 
 `build_app(config)` is what `dflash serve` runs and what the Helm chart's serveConfigV2 imports
 (`services.app:app_from_env`). Ray Serve is the control plane — placement, replicas, health,
@@ -60,19 +61,30 @@ class VerifierDeployment:
 
 
 class RouterDeployment:
+    """Both ingresses of one replica: the gRPC methods below (Serve's gRPC proxy calls them by
+    name) and `__call__`, which Serve's HTTP proxy calls with each HTTP request."""
+
     def __init__(self, verifier, config: dict):
         from transformers import AutoConfig
 
+        from services.router.auth import ApiKeys
+        from services.router.openai_api import OpenAIServer
         from services.router.router import Router
 
         cfg = ServeConfig.from_dict(config)
         max_len = cfg.engine.max_model_len or int(
             getattr(AutoConfig.from_pretrained(cfg.engine.target).get_text_config(), "max_position_embeddings", 0) or 32768
         )
+        api_keys = ApiKeys.from_file(cfg.api_keys_file) if cfg.api_keys_file else None
         self.router = Router(verifier, cfg.engine.target, max_model_len=max_len,
                              max_tokens_limit=cfg.engine.max_tokens_limit,
                              default_max_tokens=cfg.default_max_tokens, max_pending=cfg.max_pending,
-                             running_verifiers=_running_verifiers)
+                             running_verifiers=_running_verifiers, api_keys=api_keys)
+        self.openai = OpenAIServer(self.router, cfg.model_name)
+
+    async def __call__(self, request):
+        """An HTTP request (a starlette Request): the OpenAI API."""
+        return await self.openai(request)
 
     async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method names
         # aclosing: a cancelled client closes the router's stream at once, which frees the request.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -111,7 +112,9 @@ def _serve_config(args: argparse.Namespace):
     engine = EngineConfig(target=target, drafter=drafter, device=args.device, dtype=args.dtype,
                           target_impl=args.target_impl)
     topology = args.topology or ("split" if drafter else "colocated")
-    return ServeConfig(engine=engine, topology=topology, grpc_port=args.grpc_port, metrics_port=args.metrics_port)
+    return ServeConfig(engine=engine, topology=topology, grpc_port=args.grpc_port, http_port=args.http_port,
+                       metrics_port=args.metrics_port, served_model_name=args.served_model_name or "",
+                       api_keys_file=args.api_keys_file or "")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -125,17 +128,20 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     import ray
     from ray import serve
-    from ray.serve.config import gRPCOptions
+    from ray.serve.config import HTTPOptions, gRPCOptions
 
     from services.app import GRPC_SERVICER_FUNCTIONS, build_app
 
     num_gpus = 1 if config.engine.device.startswith("cuda") else 0
     ray.init(include_dashboard=False, num_gpus=num_gpus or None, _metrics_export_port=config.metrics_port)
-    serve.start(grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
+    serve.start(http_options=HTTPOptions(host=args.http_host, port=config.http_port),
+                grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
     serve.run(build_app(config), name="dflash", route_prefix="/")
-    print(f"dflash-serve is up: gRPC on port {config.grpc_port} of every interface (dflash.v1.Generation; Ray "
-          f"Serve's gRPC proxy has no host option), metrics on port {config.metrics_port} (/metrics). "
-          "Try: dflash client --prompt 'Hello'", flush=True)
+    print(f"dflash-serve is up: the OpenAI API on http://{args.http_host}:{config.http_port}/v1 (model "
+          f"{config.model_name!r}), gRPC on port {config.grpc_port} of every interface (dflash.v1.Generation; Ray "
+          f"Serve's gRPC proxy has no host option), metrics on port {config.metrics_port} (/metrics)"
+          + (", API keys required" if config.api_keys_file else "") + ". Try: dflash client --prompt 'Hello'",
+          flush=True)
     run_until_stopped()
     print("dflash-serve: stopping (Ctrl-C again to force)", flush=True)
     try:
@@ -166,9 +172,12 @@ def _client(args: argparse.Namespace) -> int:
     sampling = {k: v for k, v in (("temperature", args.temperature), ("max_tokens", args.max_tokens),
                                    ("top_p", args.top_p), ("top_k", args.top_k), ("seed", args.seed)) if v is not None}
     request = {"chat": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+    api_key = args.api_key or os.environ.get("DFLASH_API_KEY")
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
     last = None
     try:
-        for response in stream_completion(args.address, sampling=sampling, timeout=args.timeout, **request):
+        for response in stream_completion(args.address, sampling=sampling, timeout=args.timeout, metadata=metadata,
+                                          **request):
             print(response.text, end="", flush=True)
             last = response
     except grpc.RpcError as err:
@@ -300,7 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", default="auto")
     srv.add_argument("--target-impl", default="auto", choices=TARGET_IMPLS, help=TARGET_IMPL_HELP)
     srv.add_argument("--grpc-port", type=int, default=9000)
+    srv.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP API")
+    srv.add_argument("--http-host", default="127.0.0.1", help="the HTTP API's interface (0.0.0.0: every one)")
     srv.add_argument("--metrics-port", type=int, default=8080)
+    srv.add_argument("--served-model-name", help="the model name of the OpenAI API (default: the target's folder "
+                                                 "name, or its hub id)")
+    srv.add_argument("--api-keys-file", help="require an API key from this file (one a line) on every call")
     srv.set_defaults(run=_serve)
 
     cli = sub.add_parser("client", help="stream a completion from a running server")
@@ -313,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_argument("--top-k", type=int)
     cli.add_argument("--seed", type=int)
     cli.add_argument("--timeout", type=float, default=300.0)
+    cli.add_argument("--api-key", help="sent as `authorization: Bearer KEY` (default: $DFLASH_API_KEY)")
     cli.set_defaults(run=_client)
 
     fetch = sub.add_parser("fetch-default", help="obtain the default target (SmolLM2-135M-Instruct) once into "

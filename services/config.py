@@ -7,6 +7,7 @@ a YAML file and the Helm chart render the same fields).
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 
@@ -76,7 +77,15 @@ class ServeConfig:
     router_replicas: int = 1
     router_max_replicas: int = 0
     grpc_port: int = 9000
+    # Serve's HTTP port: the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models).
+    http_port: int = 8000
     metrics_port: int = 8080
+    # The model name the OpenAI API serves and expects in `model`; empty: the target's folder name
+    # for a local folder, else the target as given (a hub id).
+    served_model_name: str = ""
+    # A file of API keys, one a line (the chart mounts a Secret); empty: no authentication. Every
+    # gRPC call and HTTP request but the health checks must then present one.
+    api_keys_file: str = ""
     # Requests in flight per router replica (each has its own count) before RESOURCE_EXHAUSTED.
     max_pending: int = 256
     default_max_tokens: int = 256
@@ -87,6 +96,13 @@ class ServeConfig:
     @property
     def gpus_per_verifier(self) -> float:
         return self.verifier_num_gpus if self.engine.device.startswith("cuda") else 0.0
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return os.path.basename(os.path.normpath(self.engine.target)) if os.path.isdir(self.engine.target) \
+            else self.engine.target
 
     def validate(self) -> None:
         self.engine.validate()

@@ -1,15 +1,18 @@
-"""The gRPC ingress: validation, tokenization, admission and streaming in front of the verifiers.
+"""The ingress: validation, tokenization, admission and streaming in front of the verifiers.
 
 `Router` is a plain class; `services.app` wraps it in a Ray Serve deployment whose gRPC methods
-(`dflash.v1.Generation` and `grpc.health.v1.Health/Check`) call the methods of the same names.
+(`dflash.v1.Generation` and `grpc.health.v1.Health/Check`) call the methods of the same names, and
+whose HTTP entry point serves the OpenAI API (`services.router.openai_api`) on top of `outputs`,
+the one path every request takes whatever its protocol: authentication is checked by each
+protocol's front, then admission, validation, the verifier call and its cancellation are shared.
 The verifier is reached only through its handle: `generate` (a stream of `RequestOutput`s) and
 `model_info`.
 
-Client errors never surface as exceptions with a stack trace: the status code and a readable
-message are set on `grpc_context`. A streaming call then ends by raising `RpcFailed`, because Ray
-Serve 2.60 sends a status set on a stream only together with a later message or exception — set
-and returned without one, the client sees OK (checked on a real Serve gRPC proxy). Unary calls
-return an empty message instead, which carries the status as is.
+Client errors never surface as exceptions with a stack trace: `outputs` raises `RequestFailed`
+with a status code and a readable message, which gRPC sets on `grpc_context`. A streaming call then
+ends by raising `RpcFailed`, because Ray Serve 2.60 sends a status set on a stream only together
+with a later message or exception — set and returned without one, the client sees OK (checked on a
+real Serve gRPC proxy). Unary calls return an empty message instead, which carries the status as is.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,6 +35,7 @@ from services.api.dflash.v1 import generation_pb2
 from services.engine.request import RequestOutput
 from services.engine.sampling import SamplingParams
 from services.engine.stopping import FinishReason
+from services.router.auth import UNAUTHENTICATED_MESSAGE, ApiKeys, grpc_authorization
 from services.router.validation import (
     InvalidRequest,
     chat_messages,
@@ -64,6 +69,15 @@ class RpcFailed(Exception):
     """Ends a call whose status code and details are already set on its grpc_context."""
 
 
+class RequestFailed(Exception):
+    """A request refused or failed: the status gRPC sets, and the HTTP API maps to its own."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
 class Router:
     def __init__(
         self,
@@ -75,9 +89,11 @@ class Router:
         default_max_tokens: int,
         max_pending: int,
         running_verifiers: Callable[[], Awaitable[int]] | None = None,
+        api_keys: ApiKeys | None = None,
     ):
         """tokenizer: the target's tokenizer folder or hub id, or a loaded tokenizer.
-        running_verifiers: how many verifier replicas are up (None: never asked)."""
+        running_verifiers: how many verifier replicas are up (None: never asked).
+        api_keys: the keys a call must present (None: no authentication)."""
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
 
@@ -89,6 +105,7 @@ class Router:
         self.default_max_tokens = default_max_tokens
         self.max_pending = max_pending
         self.running_verifiers = running_verifiers
+        self.api_keys = api_keys
         self.max_prompt_bytes = max_prompt_bytes(tokenizer, max_model_len)
         self._in_flight: set[str] = set()  # request ids admitted and not yet finished
         self._model_info: dict | None = None  # the verifier's, fetched once
@@ -101,40 +118,15 @@ class Router:
     async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method names
         """Streams GenerateResponses: new text and token ids as they are accepted; the last one
         carries the finish reason, usage and speculation statistics."""
+        if not self._grpc_authorized(grpc_context):
+            raise _abort(grpc_context, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
         request_id = request.request_id or uuid.uuid4().hex
-        self._admit(request_id, grpc_context)
         try:
-            try:
-                prompt_ids, params = await self._prepare(request)
-            except InvalidRequest as err:
-                raise _abort(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-            stream = self.verifier.generate.options(stream=True).remote(prompt_ids, params, request_id)
-            last: RequestOutput | None = None
-            try:
-                outputs = stream.__aiter__()
-                first = await self._first_output(outputs, grpc_context)
-                if first is not None:
-                    last = first
-                    yield _response(request_id, first)
-                    async for last in outputs:
-                        yield _response(request_id, last)
-            except RpcFailed:
-                raise
-            except Exception as err:  # noqa: BLE001 - the verifier call failed; CancelledError passes
-                raise _verifier_failed(grpc_context, err, produced=last is not None) from None
-            finally:
-                if last is None or not last.finished:
-                    # The client cancelled, its deadline passed, or the call failed: cancelling the
-                    # verifier call frees the request's KV on the verifier and its drafter.
-                    stream.cancel()
-            if last is None or not last.finished:
-                raise _abort(grpc_context, grpc.StatusCode.INTERNAL,
-                             "the verifier's stream ended before the request finished")
-            if _finish_reason(last) == generation_pb2.FINISH_REASON_ERROR:
-                raise _abort(grpc_context, grpc.StatusCode.INTERNAL,
-                             f"generation failed: {last.error or 'no reason given'}")
-        finally:
-            self._in_flight.discard(request_id)
+            async with aclosing(self.outputs(request, request_id)) as outputs:
+                async for out in outputs:
+                    yield _response(request_id, out)
+        except RequestFailed as err:
+            raise _abort(grpc_context, err.code, err.message) from None
 
     async def Complete(self, request, grpc_context):  # noqa: N802
         """The whole completion in one GenerateResponse."""
@@ -153,8 +145,11 @@ class Router:
         return merged
 
     async def GetModelInfo(self, request, grpc_context):  # noqa: N802
+        if not self._grpc_authorized(grpc_context):
+            _set_status(grpc_context, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+            return generation_pb2.ModelInfo()
         try:
-            info = await self._verifier_model_info()
+            info = await self.model_info()
         except Exception as err:  # noqa: BLE001 - the client gets the reason, not a stack trace
             _set_status(grpc_context, grpc.StatusCode.INTERNAL, f"the verifier did not answer: {_describe(err)}")
             return generation_pb2.ModelInfo()
@@ -170,21 +165,68 @@ class Router:
             _set_status(grpc_context, grpc.StatusCode.NOT_FOUND,
                         f"unknown service {request.service!r}; this server serves {GENERATION_SERVICE!r}")
             return health_pb2.HealthCheckResponse()
+        serving = await self.healthy()
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING if serving
+                                              else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def healthy(self) -> bool:
         try:
             await asyncio.wait_for(self.verifier.check_health.remote(), timeout=HEALTH_CHECK_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - any failure or a timeout: not serving
-            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+            return False
+        return True
 
     # -- one request -----------------------------------------------------------------------------
 
-    def _admit(self, request_id: str, context) -> None:
+    def authorized(self, authorization: str | None) -> bool:
+        """authorization: the `Bearer KEY` the call presented (None: it presented none)."""
+        return self.api_keys is None or self.api_keys.allows(authorization)
+
+    def _grpc_authorized(self, grpc_context) -> bool:
+        return self.api_keys is None or self.authorized(grpc_authorization(grpc_context.invocation_metadata()))
+
+    async def outputs(self, request, request_id: str) -> AsyncIterator[RequestOutput]:
+        """The verifier's outputs for a `dflash.v1.GenerateRequest`, after admission and validation;
+        raises RequestFailed. Closing it early (the client went away) cancels the verifier call,
+        which frees the request's KV on the verifier and its drafter."""
+        self._admit(request_id)
+        try:
+            try:
+                prompt_ids, params = await self._prepare(request)
+            except InvalidRequest as err:
+                raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+            stream = self.verifier.generate.options(stream=True).remote(prompt_ids, params, request_id)
+            last: RequestOutput | None = None
+            try:
+                outputs = stream.__aiter__()
+                first = await self._first_output(outputs)
+                if first is not None:
+                    last = first
+                    yield first
+                    async for last in outputs:
+                        yield last
+            except RequestFailed:
+                raise
+            except Exception as err:  # noqa: BLE001 - the verifier call failed; CancelledError passes
+                raise _verifier_failed(err, produced=last is not None) from None
+            finally:
+                if last is None or not last.finished:
+                    # The client cancelled, its deadline passed, or the call failed.
+                    stream.cancel()
+            if last is None or not last.finished:
+                raise RequestFailed(grpc.StatusCode.INTERNAL, "the verifier's stream ended before the request finished")
+            if _finish_reason(last) == generation_pb2.FINISH_REASON_ERROR:
+                raise RequestFailed(grpc.StatusCode.INTERNAL, f"generation failed: {last.error or 'no reason given'}")
+        finally:
+            self._in_flight.discard(request_id)
+
+    def _admit(self, request_id: str) -> None:
         if request_id in self._in_flight:
-            raise _abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight: "
-                         "use a unique id per request, or leave it empty")
+            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight: "
+                                "use a unique id per request, or leave it empty")
         if len(self._in_flight) >= self.max_pending:
-            raise _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"the server is at its limit of "
-                         f"{self.max_pending} requests in flight: retry later, with backoff")
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the server is at its limit of "
+                                f"{self.max_pending} requests in flight: retry later, with backoff")
         self._in_flight.add(request_id)
 
     async def _prepare(self, request) -> tuple[list[int], SamplingParams]:
@@ -192,10 +234,10 @@ class Router:
         params = sampling_params(request.sampling, default_max_tokens=self.default_max_tokens,
                                  max_tokens_limit=self.max_tokens_limit)
         if params.stop_token_ids:
-            check_stop_token_ids(params.stop_token_ids, (await self._verifier_model_info())["vocab_size"])
+            check_stop_token_ids(params.stop_token_ids, (await self.model_info())["vocab_size"])
         kind = request.WhichOneof("input")
         if kind == "token_ids":
-            vocab_size = (await self._verifier_model_info())["vocab_size"]
+            vocab_size = (await self.model_info())["vocab_size"]
             check_token_ids(request.token_ids.ids, vocab_size)
             prompt_ids = list(request.token_ids.ids)
         elif kind in ("prompt", "chat"):
@@ -222,7 +264,7 @@ class Router:
         except TemplateError as err:  # the template's own checks, e.g. roles that must alternate
             raise InvalidRequest(f"the chat template refused these messages: {err}") from None
 
-    async def _first_output(self, outputs, grpc_context) -> RequestOutput | None:
+    async def _first_output(self, outputs) -> RequestOutput | None:
         """The stream's first output (None if it ended at once). While none has come, ask every
         FIRST_OUTPUT_CHECK_S whether a verifier replica is running at all: during a replica's
         restart Serve would hold the call until one is back (~20 s), so fail fast instead."""
@@ -233,8 +275,8 @@ class Router:
                 if done:
                     return first.result()
                 if self.running_verifiers is not None and await self._none_running():
-                    raise _abort(grpc_context, grpc.StatusCode.UNAVAILABLE,
-                                 "no verifier replica is running (one is starting or restarting): retry shortly")
+                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
+                                        "no verifier replica is running (one is starting or restarting): retry shortly")
         except StopAsyncIteration:
             return None
         finally:
@@ -247,7 +289,7 @@ class Router:
             log.warning("could not read the verifier replicas' state", exc_info=True)
             return False
 
-    async def _verifier_model_info(self) -> dict:
+    async def model_info(self) -> dict:
         if self._model_info is None:
             self._model_info = await self.verifier.model_info.remote()
         return self._model_info
@@ -290,16 +332,16 @@ def _abort(context, code: grpc.StatusCode, details: str) -> RpcFailed:
     return RpcFailed(f"{code.name}: {details}")
 
 
-def _verifier_failed(context, err: Exception, *, produced: bool) -> RpcFailed:
+def _verifier_failed(err: Exception, *, produced: bool) -> RequestFailed:
     cause = _cause(err)
     if not produced and isinstance(cause, ValueError):  # the engine refused the request: a client error
-        return _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(cause))
+        return RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(cause))
     if isinstance(err, _REPLICA_GONE) or isinstance(cause, _REPLICA_GONE):
         # The replica died or is restarting: nothing wrong with the request, and Serve brings a
         # replica back — a retryable loss, as gRPC's UNAVAILABLE says.
-        return _abort(context, grpc.StatusCode.UNAVAILABLE,
-                      f"the verifier replica serving this request is gone ({_describe(err)}): retry")
-    return _abort(context, grpc.StatusCode.INTERNAL, f"the verifier failed: {_describe(err)}")
+        return RequestFailed(grpc.StatusCode.UNAVAILABLE,
+                             f"the verifier replica serving this request is gone ({_describe(err)}): retry")
+    return RequestFailed(grpc.StatusCode.INTERNAL, f"the verifier failed: {_describe(err)}")
 
 
 def _cause(err: BaseException) -> BaseException:

@@ -21,7 +21,7 @@ from services.config import TARGET_IMPLS, TOPOLOGIES, ServeConfig
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "helm" / "dflash-serve" / "values.schema.json"
 # Set by the chart from its `ports` values, so that the pods' config names the ports they listen on.
-CHART_OWNED = {"grpc_port": "ports.grpc", "metrics_port": "ports.metrics"}
+CHART_OWNED = {"grpc_port": "ports.grpc", "http_port": "ports.http", "metrics_port": "ports.metrics"}
 ENUMS = {"topology": list(TOPOLOGIES), "target_impl": list(TARGET_IMPLS)}
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
 

@@ -77,7 +77,10 @@ def test_serve_config_runs_the_app_and_the_grpc_services_of_services_app(rendere
 
 def test_config_file_is_the_users_block_plus_the_ports(rendered, values):
     merged = chart_values(values)
-    expected = {**merged["dflash"], "grpc_port": merged["ports"]["grpc"], "metrics_port": merged["ports"]["metrics"]}
+    expected = {**merged["dflash"], "grpc_port": merged["ports"]["grpc"], "http_port": merged["ports"]["http"],
+                "metrics_port": merged["ports"]["metrics"]}
+    if merged["apiKeys"]["secretName"]:
+        expected["api_keys_file"] = "/etc/dflash-keys/keys"
     assert yaml.safe_load(rendered.dflash_config_text) == expected
     # Nothing is defaulted on the way: a key the user did not set is not in the file.
     assert "max_pending" not in yaml.safe_load(render({}).dflash_config_text)
@@ -375,3 +378,74 @@ def test_gcs_fault_tolerance_uses_the_external_redis_and_its_secret():
                        "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis", "key": "pw"}}}}
     with pytest.raises(helm_python.HelmRenderError, match="gcsFaultTolerance.redisAddress"):
         render({"gcsFaultTolerance": {"enabled": True}})
+
+
+def test_api_keys_come_from_the_secret_mounted_where_the_config_points():
+    rendered = render({"apiKeys": {"secretName": "dflash-api-keys", "key": "api-keys.txt"}})
+    config = yaml.safe_load(rendered.dflash_config_text)
+    assert config["api_keys_file"] == "/etc/dflash-keys/keys"
+    ServeConfig.from_dict(config)  # the server takes it
+    for group, template in rendered.pod_templates().items():
+        spec = template["spec"]
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "api-keys"]
+        assert volume["secret"] == {"secretName": "dflash-api-keys", "defaultMode": 0o440,
+                                    "items": [{"key": "api-keys.txt", "path": "keys"}]}
+        (container,) = [c for c in spec["containers"] if c["name"].startswith("ray-")]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "api-keys"]
+        assert mount == {"name": "api-keys", "mountPath": "/etc/dflash-keys", "readOnly": True}, group
+    default = render({})
+    assert "api_keys_file" not in yaml.safe_load(default.dflash_config_text)
+    assert not [v for t in default.pod_templates().values() for v in t["spec"]["volumes"] if v["name"] == "api-keys"]
+
+
+EXPOSE = {"httpHost": "api.example.com", "grpcHost": "grpc.example.com", "tlsSecretName": "dflash-tls"}
+
+
+def test_ingresses_end_tls_in_front_of_both_protocols():
+    rendered = render({"expose": {**EXPOSE, "ingress": {"enabled": True, "className": "nginx"}}})
+    service = f"{rendered.rayservice['metadata']['name']}-serve-svc"
+    for kind, host, port in (("http", "api.example.com", 8000), ("grpc", "grpc.example.com", 9000)):
+        ingress = rendered.one("Ingress", f"-{kind}")
+        spec = ingress["spec"]
+        assert spec["ingressClassName"] == "nginx"
+        assert spec["tls"] == [{"hosts": [host], "secretName": "dflash-tls"}]
+        (rule,) = spec["rules"]
+        assert rule["host"] == host
+        assert rule["http"]["paths"][0]["backend"]["service"] == {"name": service, "port": {"number": port}}
+        grpc_backend = ingress["metadata"].get("annotations", {}).get("nginx.ingress.kubernetes.io/backend-protocol")
+        assert grpc_backend == ("GRPC" if kind == "grpc" else None)
+    assert not render({}).all("Ingress")
+
+
+def test_gateway_routes_send_http_and_grpc_to_the_serve_service():
+    rendered = render({"expose": {**EXPOSE, "gateway": {"enabled": True, "gatewayClassName": "eg"}}})
+    name = rendered.rayservice["metadata"]["name"]
+    gateway = rendered.one("Gateway")
+    assert gateway["apiVersion"] == "gateway.networking.k8s.io/v1" and gateway["spec"]["gatewayClassName"] == "eg"
+    listeners = {listener["name"]: listener for listener in gateway["spec"]["listeners"]}
+    assert {k: (v["hostname"], v["protocol"], v["port"]) for k, v in listeners.items()} == {
+        "http": ("api.example.com", "HTTPS", 443), "grpc": ("grpc.example.com", "HTTPS", 443)}
+    for listener in listeners.values():
+        assert listener["tls"] == {"mode": "Terminate", "certificateRefs": [{"kind": "Secret", "name": "dflash-tls"}]}
+    for kind, route_kind, host, port in (("http", "HTTPRoute", "api.example.com", 8000),
+                                         ("grpc", "GRPCRoute", "grpc.example.com", 9000)):
+        route = rendered.one(route_kind)
+        assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+        assert route["spec"] == {"parentRefs": [{"name": name, "sectionName": kind}], "hostnames": [host],
+                                 "rules": [{"backendRefs": [{"name": f"{name}-serve-svc", "port": port}]}]}
+    refs = [{"name": "public", "namespace": "gateways", "sectionName": "https"}]
+    existing = render({"expose": {"grpcHost": "grpc.example.com", "gateway": {"enabled": True, "parentRefs": refs}}})
+    assert not existing.all("Gateway") and not existing.all("HTTPRoute")
+    assert existing.one("GRPCRoute")["spec"]["parentRefs"] == refs
+
+
+@pytest.mark.parametrize("expose, message", [
+    ({"gateway": {"enabled": True}, "grpcHost": "g.example.com"}, "gatewayClassName"),
+    ({"gateway": {"enabled": True, "gatewayClassName": "eg"}, "grpcHost": "g.example.com"}, "tlsSecretName"),
+    ({"ingress": {"enabled": True}, "httpHost": "a.example.com"}, "tlsSecretName"),
+    ({"ingress": {"enabled": True}, "tlsSecretName": "t"}, "expose"),
+])
+def test_incomplete_expose_values_are_refused(expose, message):
+    """By the values schema, or by the template where the rule spans two keys' meanings."""
+    with pytest.raises((helm_python.HelmRenderError, helm_python.HelmValuesError), match=message):
+        render({"expose": expose})

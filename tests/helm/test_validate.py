@@ -19,9 +19,9 @@ from tests.helm.kube_schemas import KUBERAY_CRDS, crd_errors
 
 # The chart's kubeVersion floor and the newest release kubernetes-validate knows.
 KUBE_VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
-CORE_KINDS = {"ConfigMap", "Service", "PersistentVolumeClaim", "Pod", "PodDisruptionBudget", "NetworkPolicy"}
-# Checked against their CRDs below (RayService) or field by field in test_render (monitors).
-CUSTOM_KINDS = {"RayService", "PodMonitor", "ServiceMonitor"}
+CORE_KINDS = {"ConfigMap", "Service", "PersistentVolumeClaim", "Pod", "PodDisruptionBudget", "NetworkPolicy", "Ingress"}
+# Checked against their CRDs below (RayService) or field by field in test_render (monitors, Gateway API).
+CUSTOM_KINDS = {"RayService", "PodMonitor", "ServiceMonitor", "Gateway", "HTTPRoute", "GRPCRoute"}
 
 needs_crds = pytest.mark.skipif(
     not KUBERAY_CRDS.is_dir(),

@@ -36,9 +36,14 @@ The server's config file: the user's `dflash` block as given (no defaults added 
 ports this chart owns.
 */}}
 {{- define "dflash-serve.config" -}}
-{{- $ports := dict "grpc_port" .Values.ports.grpc "metrics_port" .Values.ports.metrics -}}
-{{- toYaml (merge $ports (deepCopy .Values.dflash)) -}}
+{{- $owned := dict "grpc_port" .Values.ports.grpc "http_port" .Values.ports.http "metrics_port" .Values.ports.metrics -}}
+{{- if .Values.apiKeys.secretName -}}
+{{- $_ := set $owned "api_keys_file" (include "dflash-serve.apiKeysFile" .) -}}
 {{- end -}}
+{{- toYaml (merge $owned (deepCopy .Values.dflash)) -}}
+{{- end -}}
+
+{{- define "dflash-serve.apiKeysFile" -}}/etc/dflash-keys/keys{{- end -}}
 
 {{- define "dflash-serve.configPath" -}}/etc/dflash/config.yaml{{- end -}}
 
@@ -80,6 +85,15 @@ applications:
 - name: home
   emptyDir:
     sizeLimit: {{ .Values.pods.scratch.homeSizeLimit }}
+{{- if .Values.apiKeys.secretName }}
+- name: api-keys
+  secret:
+    secretName: {{ .Values.apiKeys.secretName }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.apiKeys.key }}
+        path: keys
+{{- end }}
 {{- with .Values.pods.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
@@ -94,6 +108,11 @@ applications:
   mountPath: /tmp
 - name: home
   mountPath: /home/dflash
+{{- if .Values.apiKeys.secretName }}
+- name: api-keys
+  mountPath: /etc/dflash-keys
+  readOnly: true
+{{- end }}
 {{- with .Values.pods.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
