@@ -5,7 +5,7 @@ references run eagerly and compiled by torch.compile (inductor), at Qwen3-8B sha
 
 Each op is timed by CUDA graph replays (the way the engine runs them), median of `triton.testing.do_bench`
 over fresh random inputs, for 1, 16, 512 and 8192 tokens (decode, a batch-1 verify, a batch-32 verify,
-a prefill chunk). The result says which implementation the fused forward should use.
+a prefill chunk); the argmax takes that many rows of Qwen3's 151,936-token vocabulary. The result says which implementation the fused forward should use.
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ from kernels import (
     add_rms_norm_triton,
     rope_kv_write_reference,
     rope_kv_write_triton,
+    row_argmax_reference,
+    row_argmax_triton,
     silu_mul_reference,
     silu_mul_triton,
 )
 
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 4096, 12288, 32, 8, 128
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 12288, 32, 8, 128, 151936
 PAGE, BLOCKS, MAX_POS = 16, 2048, 40960
 
 
@@ -44,10 +46,12 @@ def cases(tokens: int, device: str) -> dict:
     k_cache = torch.zeros(BLOCKS, PAGE, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
     v_cache = torch.zeros_like(k_cache)
     qn = 1 + 0.1 * torch.randn(HEAD_DIM, dtype=dtype, device=device)
+    logits = torch.randn(tokens, VOCAB, dtype=dtype, device=device)
     rope_args = (qkv, positions, cos, sin, slots, k_cache, v_cache)
     rope_kwargs = dict(num_heads=HEADS, num_kv_heads=KV_HEADS, q_norm_weight=qn, k_norm_weight=qn, eps=1e-6)
     compiled = {name: torch.compile(fn, dynamic=False) for name, fn in [
-        ("add_rms_norm", add_rms_norm_reference), ("silu_mul", silu_mul_reference), ("rope_kv_write", rope_kv_write_reference)]}
+        ("add_rms_norm", add_rms_norm_reference), ("silu_mul", silu_mul_reference), ("rope_kv_write", rope_kv_write_reference),
+        ("row_argmax", row_argmax_reference)]}
     return {
         "add_rms_norm": {
             "eager torch": lambda: add_rms_norm_reference(x, res, w, 1e-6),
@@ -63,6 +67,11 @@ def cases(tokens: int, device: str) -> dict:
             "eager torch": lambda: rope_kv_write_reference(*rope_args, **rope_kwargs),
             "torch.compile": lambda: compiled["rope_kv_write"](*rope_args, **rope_kwargs),
             "triton (ours)": lambda: rope_kv_write_triton(*rope_args, **rope_kwargs),
+        },
+        "argmax over the vocabulary": {
+            "eager torch": lambda: row_argmax_reference(logits),
+            "torch.compile": lambda: compiled["row_argmax"](logits),
+            "triton (ours)": lambda: row_argmax_triton(logits),
         },
     }
 
