@@ -4,10 +4,11 @@
   sliding window, GQA) — target prefill/verify/decode and the drafter's block forward.
 - `inject_context_kv`: the drafter's fused k_norm + RoPE + paged cache write of context K/V for all
   draft layers in one launch.
-- `rms_norm`: Qwen3/Llama RMSNorm in one launch instead of seven; `add_rms_norm` with the
-  residual add before it.
+- `rms_norm`: Qwen3/Llama (or Gemma) RMSNorm in one launch instead of seven; `add_rms_norm` with the
+  residual add before it (and Gemma's norm of the sublayer output before that).
 - `rope_kv_write`: a target layer's q/k norm + RoPE + paged K/V write, from its merged QKV output.
-- `silu_mul`: SiLU(gate) · up of a merged gate-up projection.
+- `silu_mul`, `gelu_tanh_mul`: SiLU(gate) · up (Llama, Qwen) or GELU-tanh(gate) · up (Gemma) of a
+  merged gate-up projection.
 - `row_argmax`: greedy token choice over a vocabulary (the first index of each row's maximum).
 
 The Triton kernels run when the tensors are on CUDA (or under TRITON_INTERPRET=1); otherwise, or
@@ -26,12 +27,22 @@ from kernels.rms_norm import (
     rms_norm_triton,
 )
 from kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference, rope_kv_write_triton
-from kernels.silu_mul import silu_mul, silu_mul_reference, silu_mul_triton
+from kernels.silu_mul import (
+    gelu_tanh_mul,
+    gelu_tanh_mul_reference,
+    gelu_tanh_mul_triton,
+    silu_mul,
+    silu_mul_reference,
+    silu_mul_triton,
+)
 
 __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
     "add_rms_norm_triton",
+    "gelu_tanh_mul",
+    "gelu_tanh_mul_reference",
+    "gelu_tanh_mul_triton",
     "inject_context_kv",
     "inject_context_kv_reference",
     "inject_context_kv_triton",

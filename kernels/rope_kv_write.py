@@ -1,11 +1,12 @@
 """A target layer's attention input in one launch: split the merged QKV projection, apply the
-per-head q/k RMSNorm (Qwen3) and RoPE, and write the new keys and values into the paged cache.
+per-head q/k RMSNorm (Qwen3, Gemma-3/4; Gemma-4's weightless value norm) and RoPE, and write the new keys and values into the paged cache.
 
 transformers spends ~20 launches on this per layer (views, two norms, rotate-half, cos/sin casts,
 two indexed cache writes); at batch 1 each is a few microseconds of a ~0.2 ms layer.
 
 Semantics (the reference): torch's elementwise ops in the input dtype, as transformers computes them
-(`weight * normed.to(dtype)`, then `q * cos + rotate_half(q) * sin` with cos/sin in that dtype); the
+(`weight * normed.to(dtype)`, or Gemma's `(normed * weight.float()).to(dtype)` with `scale_in_float32`,
+then `q * cos + rotate_half(q) * sin` with cos/sin in that dtype); the
 Triton kernel rounds after every step the same way, so the two agree to the last bit but for
 float rounding order within the norm's sum.
 """
@@ -28,14 +29,17 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def rope_kv_write(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, *, num_heads, num_kv_heads,
-                  q_norm_weight=None, k_norm_weight=None, eps=0.0) -> torch.Tensor:
+                  q_norm_weight=None, k_norm_weight=None, eps=0.0, scale_in_float32=False,
+                  v_norm=False) -> torch.Tensor:
     """qkv [T, (H + 2·KV)·D] (q heads, then k, then v) -> the rotated queries [T, H, D]; the rotated
     keys and the values go to flat slots `slot_mapping` [T] of one layer's k_cache / v_cache
     [num_blocks, block_size, KV, D]. cos, sin: [max_positions, D/2] in qkv's dtype (a rotate-half
-    table's two halves are equal, so only one is kept). q/k norm weights [D], or None (Llama, Qwen2)."""
+    table's two halves are equal, so only one is kept). q/k norm weights [D], or None (Llama, Qwen2);
+    `scale_in_float32`: Gemma's norm (see kernels.rms_norm); `v_norm`: values RMS-normed without a
+    weight (Gemma-4)."""
     args = (qkv, positions, cos, sin, slot_mapping, k_cache, v_cache)
     kwargs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, q_norm_weight=q_norm_weight,
-                  k_norm_weight=k_norm_weight, eps=eps)
+                  k_norm_weight=k_norm_weight, eps=eps, scale_in_float32=scale_in_float32, v_norm=v_norm)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if triton is not None and qkv.dtype in TRITON_DTYPES and (qkv.is_cuda or interpret):
         return rope_kv_write_triton(*args, **kwargs)
@@ -48,14 +52,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_kv_write_reference(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, *, num_heads, num_kv_heads,
-                            q_norm_weight=None, k_norm_weight=None, eps=0.0) -> torch.Tensor:
+                            q_norm_weight=None, k_norm_weight=None, eps=0.0, scale_in_float32=False,
+                            v_norm=False) -> torch.Tensor:
     head_dim = k_cache.shape[-1]
     heads = qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, head_dim)
     q, k, v = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     if q_norm_weight is not None:
-        q = rms_norm_reference(q, q_norm_weight, eps)
+        q = rms_norm_reference(q, q_norm_weight, eps, scale_in_float32=scale_in_float32)
     if k_norm_weight is not None:
-        k = rms_norm_reference(k, k_norm_weight, eps)
+        k = rms_norm_reference(k, k_norm_weight, eps, scale_in_float32=scale_in_float32)
+    if v_norm:
+        v = rms_norm_reference(v, None, eps, scale_in_float32=True)
     c = cos[positions].to(q.dtype)
     s = sin[positions].to(q.dtype)
     c, s = torch.cat([c, c], dim=-1)[:, None], torch.cat([s, s], dim=-1)[:, None]
@@ -75,7 +82,8 @@ FEW_TOKENS = 8  # below this, a program per head
 
 
 def rope_kv_write_triton(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, *, num_heads, num_kv_heads,
-                         q_norm_weight=None, k_norm_weight=None, eps=0.0) -> torch.Tensor:
+                         q_norm_weight=None, k_norm_weight=None, eps=0.0, scale_in_float32=False,
+                         v_norm=False) -> torch.Tensor:
     """One program per (token, tile of HEADS_PER_PROGRAM heads) over the q, then k, then v heads."""
     num_tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
@@ -95,7 +103,7 @@ def rope_kv_write_triton(qkv, positions, cos, sin, slot_mapping, k_cache, v_cach
         qkv.stride(0), cos.stride(0), sin.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, HAS_Q_NORM=has_q_norm, HAS_K_NORM=has_k_norm,
-        num_warps=max(1, min(4, block_heads * block_half // 256)),
+        HAS_V_NORM=v_norm, SCALE_IN_FLOAT32=scale_in_float32, num_warps=max(1, min(4, block_heads * block_half // 256)),
     )
     return q
 
@@ -108,12 +116,27 @@ if triton is not None:
         return x.to(dtype).to(tl.float32)
 
     @triton.jit
+    def _head_norm(first, second, inv_rms, rows, w_ptr, dims, dim_mask, HALF: tl.constexpr, dtype: tl.constexpr,
+                   SCALE_IN_FLOAT32: tl.constexpr):
+        """RMS-normed `rows` of both halves times the weight, rounded as the reference rounds."""
+        w_first = tl.load(w_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
+        w_second = tl.load(w_ptr + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
+        if SCALE_IN_FLOAT32:
+            normed_first = _rounded(w_first * (first * inv_rms), dtype)
+            normed_second = _rounded(w_second * (second * inv_rms), dtype)
+        else:
+            normed_first = _rounded(w_first * _rounded(first * inv_rms, dtype), dtype)
+            normed_second = _rounded(w_second * _rounded(second * inv_rms, dtype), dtype)
+        return tl.where(rows, normed_first, first), tl.where(rows, normed_second, second)
+
+    @triton.jit
     def _rope_kv_write_kernel(
         qkv_ptr, positions_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr,
         q_norm_ptr, k_norm_ptr, eps,
         stride_qkv_token, stride_cos, stride_sin,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
+        HAS_V_NORM: tl.constexpr, SCALE_IN_FLOAT32: tl.constexpr,
     ):
         HALF: tl.constexpr = HEAD_DIM // 2
         token = tl.program_id(0).to(tl.int64)
@@ -129,22 +152,20 @@ if triton is not None:
         first = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         second = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
 
-        # Per-head RMSNorm (Qwen3's q_norm / k_norm), rounded as the reference rounds.
-        if HAS_Q_NORM or HAS_K_NORM:
+        # Per-head RMSNorm (Qwen3's, Gemma's q_norm / k_norm; Gemma-4's v_norm), rounded as the reference rounds.
+        if HAS_Q_NORM or HAS_K_NORM or HAS_V_NORM:
             inv_rms = tl.math.rsqrt((tl.sum(first * first, 1) + tl.sum(second * second, 1)) / HEAD_DIM + eps)[:, None]
             dim_mask = dims < HALF
             if HAS_Q_NORM:
-                w_first = tl.load(q_norm_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
-                w_second = tl.load(q_norm_ptr + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
-                normed_q = is_q[:, None]
-                first = tl.where(normed_q, _rounded(w_first * _rounded(first * inv_rms, dtype), dtype), first)
-                second = tl.where(normed_q, _rounded(w_second * _rounded(second * inv_rms, dtype), dtype), second)
+                first, second = _head_norm(first, second, inv_rms, is_q[:, None], q_norm_ptr, dims, dim_mask, HALF,
+                                           dtype, SCALE_IN_FLOAT32)
             if HAS_K_NORM:
-                w_first = tl.load(k_norm_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
-                w_second = tl.load(k_norm_ptr + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
-                normed_k = is_k[:, None]
-                first = tl.where(normed_k, _rounded(w_first * _rounded(first * inv_rms, dtype), dtype), first)
-                second = tl.where(normed_k, _rounded(w_second * _rounded(second * inv_rms, dtype), dtype), second)
+                first, second = _head_norm(first, second, inv_rms, is_k[:, None], k_norm_ptr, dims, dim_mask, HALF,
+                                           dtype, SCALE_IN_FLOAT32)
+            if HAS_V_NORM:
+                normed_v = is_v[:, None]
+                first = tl.where(normed_v, _rounded(first * inv_rms, dtype), first)
+                second = tl.where(normed_v, _rounded(second * inv_rms, dtype), second)
 
         # RoPE on q and k heads (rotate-half); value heads pass through unchanged.
         position = tl.load(positions_ptr + token)

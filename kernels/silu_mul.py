@@ -1,14 +1,16 @@
-"""SiLU(gate) · up of a merged gate-up projection, in one launch.
+"""act(gate) · up of a merged gate-up projection, in one launch: SiLU (Llama, Qwen) or GELU with
+the tanh approximation (Gemma's `gelu_pytorch_tanh`).
 
-A Llama/Qwen MLP computes down(silu(gate(x)) * up(x)); with gate and up merged into one GEMM the
+A gated MLP computes down(act(gate(x)) * up(x)); with gate and up merged into one GEMM the
 activation is one elementwise pass over its [T, 2I] output instead of three torch kernels.
 
-Semantics (the reference): silu(gate) rounded to the input dtype, times up, rounded again — what
+Semantics (the reference): act(gate) rounded to the input dtype, times up, rounded again — what
 `act_fn(gate_proj(x)) * up_proj(x)` computes in that dtype.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -21,15 +23,23 @@ except ImportError:  # CPU-only installs run the reference
     triton = None
 
 BLOCK_COLS = 1024
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    """Triton on CUDA (or under TRITON_INTERPRET=1, for the tests); the reference otherwise."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    return triton is not None and (x.is_cuda or interpret) and x.dtype in TRITON_DTYPES
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [..., 2I] (gate first) -> [..., I]. Triton on CUDA (or under TRITON_INTERPRET=1)."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if triton is not None and (gate_up.is_cuda or interpret) and gate_up.dtype in (
-            torch.float16, torch.bfloat16, torch.float32):
-        return silu_mul_triton(gate_up)
-    return silu_mul_reference(gate_up)
+    """gate_up [..., 2I] (gate first) -> silu(gate) * up [..., I]."""
+    return _act_mul_triton(gate_up, gelu_tanh=False) if _use_triton(gate_up) else silu_mul_reference(gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] (gate first) -> gelu_tanh(gate) * up [..., I]."""
+    return _act_mul_triton(gate_up, gelu_tanh=True) if _use_triton(gate_up) else gelu_tanh_mul_reference(gate_up)
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -37,27 +47,51 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    # contiguous: on a strided view torch's CPU GELU takes a scalar path an ulp off the vectorized
+    # one that transformers' (contiguous) gate_proj output takes.
+    return F.gelu(gate.contiguous(), approximate="tanh") * up
+
+
 def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    return _act_mul_triton(gate_up, gelu_tanh=False)
+
+
+def gelu_tanh_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    return _act_mul_triton(gate_up, gelu_tanh=True)
+
+
+def _act_mul_triton(gate_up: torch.Tensor, *, gelu_tanh: bool) -> torch.Tensor:
     width = gate_up.shape[-1] // 2
     rows = gate_up.reshape(-1, 2 * width)
     assert rows.stride(-1) == 1
     out = torch.empty(rows.shape[0], width, dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0]:
-        _silu_mul_kernel[(rows.shape[0], triton.cdiv(width, BLOCK_COLS))](
-            rows, out, rows.stride(0), width, BLOCK=BLOCK_COLS, num_warps=4,
+        _act_mul_kernel[(rows.shape[0], triton.cdiv(width, BLOCK_COLS))](
+            rows, out, rows.stride(0), width, BLOCK=BLOCK_COLS, GELU_TANH=gelu_tanh, num_warps=4,
         )
     return out.view(*gate_up.shape[:-1], width)
 
 
+# gelu_tanh(x) = x/2 · (1 + tanh(c·(x + 0.044715·x³))) = x · sigmoid(2c·(x + 0.044715·x³)), c = sqrt(2/π):
+# the sigmoid form needs no tanh and has no cancellation near 0.
+TWO_SQRT_2_OVER_PI = 2.0 * math.sqrt(2.0 / math.pi)
+
 if triton is not None:
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, x_row_stride, width, BLOCK: tl.constexpr):
+    def _act_mul_kernel(x_ptr, out_ptr, x_row_stride, width, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < width
         gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * x_row_stride + width + cols, mask=mask, other=0.0).to(tl.float32)
         dtype = out_ptr.dtype.element_ty
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu, rounded to the dtype
+        if GELU_TANH:
+            inner = TWO_SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
+            act = gate / (1.0 + tl.exp(-inner))
+        else:
+            act = gate / (1.0 + tl.exp(-gate))
+        act = act.to(dtype).to(tl.float32)  # the activation rounded to the dtype, as torch's is
         tl.store(out_ptr + row * width + cols, (act * up).to(dtype), mask=mask)

@@ -177,3 +177,28 @@ def test_max_tokens_inside_a_block_and_eos(target):
     a, b = engine.sequences["a"], engine.sequences["b"]
     assert a.output_ids == ref[:8] and a.finish_reason is FinishReason.LENGTH
     assert b.output_ids == ref[: eos_at + 1] and b.finish_reason is FinishReason.STOP
+
+
+def test_a_gemma3_target_with_sliding_and_global_layers_is_lossless():
+    """Gemma-3 (fused or not: the suite runs both): sequences longer than the sliding window, a real
+    drafter, the final logit softcap."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(17)
+    target = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=5, final_logit_softcapping=10.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]))
+    with torch.no_grad():
+        for name, param in target.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.5)
+    target = target.float().eval()
+    cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
+                         layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 3]})
+    engine = build_engine(target, drafter=random_drafter(cfg, seed=19, dtype=torch.float32))
+    prompts = _prompts([3, 14, 9], seed=4)
+    done = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
+    for prompt, seq in zip(prompts, done, strict=True):
+        assert seq.output_ids == hf_greedy(target, prompt, 24)
+    assert engine.allocator.num_free == engine.allocator.num_blocks

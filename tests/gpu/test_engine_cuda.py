@@ -152,22 +152,12 @@ def test_injection_graphs_write_what_the_eager_injection_writes(rows):
         torch.testing.assert_close(graph_cache[:, :scratch_block], eager_cache[:, :scratch_block])
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_fused_forward_in_bf16_at_a_real_head_size_matches_transformers(family):
-    """The Triton path of every fused kernel (CPU runs cover the interpreter in float32 only)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
+def _fused_equals_transformers_in_bf16(model, name: str) -> None:
+    """Both runners over a prefill of mixed lengths (300 and 37 tokens), then a verify block each."""
     from services.engine.fused_target import FusedTargetRunner
     from services.engine.kv_cache import AttentionBatch
     from services.engine.target_runner import TargetRunner
 
-    kinds = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
-    config_cls, model_cls = kinds[family]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                                 num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-                                 max_position_embeddings=4096)).to(torch.bfloat16).cuda().eval()
     target = TargetModel(model, (0, 2))
     layers, heads, dim = TargetRunner.kv_shape(target)
     outs = []
@@ -187,4 +177,40 @@ def test_fused_forward_in_bf16_at_a_real_head_size_matches_transformers(family):
     for (ref_logits, ref_features), (logits, features) in zip(*outs, strict=True):
         for got, ref in ((logits, ref_logits), (features, ref_features)):
             err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
-            assert err < 2e-2, (family, err)
+            assert err < 2e-2, (name, err)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_fused_forward_in_bf16_at_a_real_head_size_matches_transformers(family):
+    """The Triton path of every fused kernel (CPU runs cover the interpreter in float32 only)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    kinds = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    config_cls, model_cls = kinds[family]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                                 num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                                 max_position_embeddings=4096)).to(torch.bfloat16).cuda().eval()
+    _fused_equals_transformers_in_bf16(model, family)
+
+
+def test_fused_gemma3_forward_in_bf16_matches_transformers():
+    """Gemma-3's fused layers on the GPU: sandwich norms (random weights, so `1 + w` matters), GELU-tanh,
+    sliding layers (a 128-token window inside the 300-token prefill) and global layers with linearly
+    scaled RoPE, each on its own table, and the final logit softcap."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, query_pre_attn_scalar=96, max_position_embeddings=4096,
+        sliding_window=128, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.5)
+    _fused_equals_transformers_in_bf16(model.to(torch.bfloat16).cuda().eval(), "gemma3")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from services.config import EngineConfig
-from services.engine.fused_target import FusedTargetRunner
+from services.engine.fused_target import FusedTargetRunner, fused_unsupported_reason
 from services.engine.kv_cache import AttentionBatch, BlockAllocator, KVPool
 from services.engine.loader import target_runner
 from services.engine.target_runner import TargetRunner
@@ -29,6 +29,39 @@ CHUNKS = ([3, 5, 2], [2, 4, 1], [4, 4, 4])  # query lengths of 3 sequences: two 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def with_random_norms(model, seed: int):
+    """Random norm weights (Gemma initializes them to 0 or 1, which would hide a wrong `1 + w`)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.randn(param.shape, generator=g, dtype=param.dtype) * 0.5)
+    return model
+
+
+def gemma_targets():
+    """Gemma-3 and Gemma-4 dense text models with sliding and global layers, each with its RoPE."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Gemma4ForCausalLM, Gemma4TextConfig
+
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=512, sliding_window=4,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+    torch.manual_seed(5)
+    # Gemma-3 27B's shape of RoPE: local base 10k, global base 1M with linear scaling; a query
+    # scale that is not head_dim's; the final logit softcap.
+    gemma3 = Gemma3ForCausalLM(Gemma3TextConfig(**common, query_pre_attn_scalar=12, final_logit_softcapping=5.0,
+                                                rope_parameters={
+                                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                    "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                       "rope_theta": 1000000.0}}))
+    # Gemma-4's dense text layer (value norm, attention scale 1, proportional partial RoPE on global
+    # layers) where every layer has one head size and no per-layer inputs or KV sharing.
+    gemma4 = Gemma4ForCausalLM(Gemma4TextConfig(**common, global_head_dim=8, hidden_size_per_layer_input=0,
+                                                final_logit_softcapping=5.0))
+    return [("gemma3 (sliding + global, linear global RoPE)", with_random_norms(gemma3, 1).double().eval()),
+            ("gemma4 dense text layers", with_random_norms(gemma4, 2).double().eval())]
 
 
 def fused_families():
@@ -50,6 +83,7 @@ def fused_families():
         ("qwen3 (q/k norm)", tiny_target("qwen3", layers=4)),
         ("llama-3 rope, attention and mlp biases", llama3.double().eval()),
         ("qwen3 with sliding-window layers", qwen3_sliding.double().eval()),
+        *gemma_targets(),
     ]
 
 
@@ -80,7 +114,7 @@ def runners(model, dtype):
 
 
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.float64, 1e-6)])
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(7))
 def test_fused_forward_equals_transformers_on_chunked_prefill_and_verify(index, dtype, bound):
     name, model = fused_families()[index]
     target, hf_runner, fused_runner = runners(model, dtype)
@@ -131,21 +165,74 @@ def test_fusing_shares_the_hf_weights_and_leaves_the_hf_model_working():
         assert torch.equal(model(input_ids=ids).logits, before)
 
 
+def kv_pool_for(target):
+    layers, heads, dim = TargetRunner.kv_shape(target)
+    return KVPool.allocate(layers, 8, PAGE, heads, dim, torch.float32, "cpu")
+
+
 def test_auto_takes_the_fused_forward_where_it_applies_and_says_which(caplog):
-    pool = lambda t: KVPool.allocate(*(lambda s: (s[0], 8, PAGE, s[1], s[2]))(TargetRunner.kv_shape(t)),  # noqa: E731
-                                     torch.float32, "cpu")
     with caplog.at_level(logging.INFO, logger="services.engine.loader"):
-        for family in ("llama", "qwen2", "qwen3"):
+        for family in ("llama", "qwen2", "qwen3", "gemma3"):
             target = TargetModel(tiny_target(family, layers=2).float())
-            assert isinstance(target_runner("auto", target, pool(target), max_positions=64), FusedTargetRunner)
-            assert isinstance(target_runner("transformers", target, pool(target), max_positions=64), TargetRunner)
-        gemma = TargetModel(tiny_target("gemma3", layers=2).float())
-        runner = target_runner("auto", gemma, pool(gemma), max_positions=64)
+            assert isinstance(target_runner("auto", target, kv_pool_for(target), max_positions=64), FusedTargetRunner)
+            assert isinstance(target_runner("transformers", target, kv_pool_for(target), max_positions=64),
+                              TargetRunner)
+        # Per-layer inputs (as Gemma-4 E2B/E4B have them) are not fused.
+        gemma4 = TargetModel(_gemma4(hidden_size_per_layer_input=8))
+        runner = target_runner("auto", gemma4, kv_pool_for(gemma4), max_positions=64)
         assert type(runner) is TargetRunner
-    assert "transformers layer code for Gemma3ForCausalLM (no fused forward: model_type 'gemma3_text'" in caplog.text
+    assert ("transformers layer code for Gemma4ForCausalLM (no fused forward: Gemma-4 per-layer input embeddings"
+            in caplog.text)
     assert "fused layers for Qwen3ForCausalLM (target_impl=auto)" in caplog.text
-    with pytest.raises(ValueError, match="target_impl=fused: Gemma3ForCausalLM has no fused forward"):
-        target_runner("fused", gemma, pool(gemma), max_positions=64)
+    assert "fused layers for Gemma3ForCausalLM (target_impl=auto)" in caplog.text
+    with pytest.raises(ValueError, match="target_impl=fused: Gemma4ForCausalLM has no fused forward"):
+        target_runner("fused", gemma4, kv_pool_for(gemma4), max_positions=64)
+
+
+def _gemma4(**overrides):
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, global_head_dim=8, hidden_size_per_layer_input=0,
+                  sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    return Gemma4ForCausalLM(Gemma4TextConfig(**{**config, **overrides})).float().eval()
+
+
+def _gemma3(**overrides):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                              **overrides)).float().eval()
+
+
+def _scaled_layer(model):
+    model.model.layers[1].layer_scalar.fill_(0.5)
+    return model
+
+
+REFUSED_GEMMAS = {
+    "Gemma-4 per-layer input embeddings": lambda: _gemma4(hidden_size_per_layer_input=8),
+    "Gemma-4 KV sharing between layers": lambda: _gemma4(num_hidden_layers=4, num_kv_shared_layers=2, layer_types=[
+        "sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
+    "Gemma-4 global layers whose values are their keys": lambda: _gemma4(attention_k_eq_v=True),
+    "layer 1 has 2 KV heads of 16 where layer 0 has 2 of 8": lambda: _gemma4(global_head_dim=16),
+    "layer 1 scales its output": lambda: _scaled_layer(_gemma4()),
+    "Gemma-4 mixture-of-experts blocks": lambda: _gemma4(enable_moe_block=True, num_experts=2, top_k_experts=1,
+                                                         moe_intermediate_size=16),
+    "attention logit softcapping": lambda: _gemma3(attn_logit_softcapping=50.0),
+    "bidirectional attention over text tokens": lambda: _gemma3(use_bidirectional_attention=True),
+    "hidden_activation 'gelu'": lambda: _gemma3(hidden_activation="gelu"),
+}
+
+
+@pytest.mark.parametrize("reason", list(REFUSED_GEMMAS))
+def test_gemma_features_the_fused_layers_do_not_compute_are_refused_by_name(reason):
+    target = TargetModel(REFUSED_GEMMAS[reason]())
+    assert reason in fused_unsupported_reason(target)
+    with pytest.raises(ValueError, match="no fused forward"):
+        FusedTargetRunner(target, KVPool.allocate(target.num_layers, 8, PAGE, 2, 8, torch.float32, "cpu"),
+                          max_positions=64)
 
 
 def test_rope_that_changes_with_the_sequence_stays_on_transformers():

@@ -366,23 +366,59 @@ def test_rms_norm_reference_is_transformers_qwen3_rmsnorm():
         assert torch.equal(rms_norm_reference(x, n.weight, 1e-6), n(x))
 
 
+def gemma_norms(dim: int, eps: float):
+    """transformers' Gemma-3 and Gemma-4 RMSNorms with random weights, each with the float32 weight
+    the fused path multiplies by (Gemma-3's `1 + w`, Gemma-4's `w`)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    gemma3, gemma4 = Gemma3RMSNorm(dim, eps=eps), Gemma4RMSNorm(dim, eps=eps)
+    for norm in (gemma3, gemma4):
+        torch.nn.init.normal_(norm.weight)
+    return [(gemma3, lambda: 1.0 + gemma3.weight.float()), (gemma4, lambda: gemma4.weight.float())]
+
+
+def test_rms_norm_reference_scaled_in_float32_is_transformers_gemma_rmsnorms():
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    from kernels.rms_norm import rms_norm_reference
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 5, 64, dtype=dtype)
+        for norm, weight in gemma_norms(64, 1e-6):
+            norm = norm.to(dtype)
+            out = rms_norm_reference(x, weight(), 1e-6, scale_in_float32=True)
+            # Gemma-4 takes pow(·, -0.5) where we take rsqrt: equal but for the last float32 bit.
+            assert out.dtype == dtype and relative_error(out, norm(x)) < {torch.float32: 1e-7, torch.bfloat16: 4e-3}[dtype]
+        assert relative_error(rms_norm_reference(x, None, 1e-6, scale_in_float32=True),
+                              Gemma4RMSNorm(64, 1e-6, with_scale=False)(x)) < {torch.float32: 1e-7,
+                                                                               torch.bfloat16: 4e-3}[dtype]
+    x = torch.randn(4, 64)
+    norm, weight = gemma_norms(64, 1e-6)[0]
+    assert torch.equal(rms_norm_reference(x, weight(), 1e-6, scale_in_float32=True), norm(x))  # Gemma-3: bit for bit
+
+
 @runs_triton
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
 @pytest.mark.parametrize("shape", [(7, 64), (2, 3, 4, 128), (1, 576), (5, 100)])
-def test_rms_norm_triton_matches_reference(dtype, shape):
+@pytest.mark.parametrize("scale_in_float32", [False, True], ids=["llama", "gemma"])
+def test_rms_norm_triton_matches_reference(dtype, shape, scale_in_float32):
     from kernels.rms_norm import rms_norm_reference, rms_norm_triton
 
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
-    w = (1 + 0.3 * torch.randn(shape[-1], generator=g)).to(dtype).to(DEVICE)
-    ref = rms_norm_reference(x.double(), w.double(), 1e-6)
-    out = rms_norm_triton(x, w, 1e-6)
+    # Gemma's weights are float32 (1 + w folded at load); Llama's are the model's dtype.
+    w = (1 + 0.3 * torch.randn(shape[-1], generator=g)).to(torch.float32 if scale_in_float32 else dtype).to(DEVICE)
+    kwargs = dict(scale_in_float32=scale_in_float32)
+    ref = rms_norm_reference(x.double(), w.double(), 1e-6, **kwargs)
+    out = rms_norm_triton(x, w, 1e-6, **kwargs)
     assert out.shape == x.shape and out.dtype == dtype
     assert relative_error(out, ref) < TOLERANCE[dtype]
     # A strided input (per-head view of a projection, as q_norm/k_norm see it).
     wide = torch.randn(4, 2 * shape[-1], generator=g).to(dtype).to(DEVICE)
     view = wide[:, : shape[-1]]
-    assert relative_error(rms_norm_triton(view, w, 1e-6), rms_norm_reference(view.double(), w.double(), 1e-6)) < TOLERANCE[dtype]
+    assert relative_error(rms_norm_triton(view, w, 1e-6, **kwargs),
+                          rms_norm_reference(view.double(), w.double(), 1e-6, **kwargs)) < TOLERANCE[dtype]
 
 
 # -- optional flash-attn backend ------------------------------------------------------------------
@@ -476,18 +512,39 @@ def test_add_rms_norm_reference_is_transformers_residual_add_then_norm():
         assert torch.equal(summed, res + x) and torch.equal(normed, norm(res + x))
 
 
+def test_add_rms_norm_reference_with_a_sandwich_norm_is_transformers_gemma3_residual_step():
+    from kernels.rms_norm import add_rms_norm_reference
+
+    (post, post_weight), (pre, pre_weight) = gemma_norms(64, 1e-6)[0], gemma_norms(64, 1e-6)[0]
+    for dtype in (torch.float32, torch.bfloat16):
+        post, pre = post.to(dtype), pre.to(dtype)
+        x, res = torch.randn(5, 64, dtype=dtype), torch.randn(5, 64, dtype=dtype)
+        normed, summed = add_rms_norm_reference(x, res, pre_weight(), 1e-6, x_norm_weight=post_weight(),
+                                                scale_in_float32=True)
+        # Gemma3DecoderLayer: hidden = post_norm(sublayer output); hidden = residual + hidden; pre_norm(hidden)
+        assert torch.equal(summed, res + post(x)) and torch.equal(normed, pre(res + post(x)))
+
+
 @runs_triton
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
 @pytest.mark.parametrize("shape", [(7, 64), (1, 576), (5, 100)])
-def test_add_rms_norm_triton_matches_reference(dtype, shape):
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma-sandwich"])
+def test_add_rms_norm_triton_matches_reference(dtype, shape, gemma):
     from kernels.rms_norm import add_rms_norm_reference, add_rms_norm_triton
 
     g = torch.Generator().manual_seed(sum(shape))
     x, res = (torch.randn(*shape, generator=g).to(dtype).to(DEVICE) for _ in range(2))
-    w = (1 + 0.3 * torch.randn(shape[-1], generator=g)).to(dtype).to(DEVICE)
-    normed, summed = add_rms_norm_triton(x, res, w, 1e-6)
-    ref_normed, ref_summed = add_rms_norm_reference(x.cpu(), res.cpu(), w.cpu(), 1e-6)
-    assert torch.equal(summed.cpu(), ref_summed)  # one rounding of the same sum
+    w_dtype = torch.float32 if gemma else dtype
+    w, x_w = ((1 + 0.3 * torch.randn(shape[-1], generator=g)).to(w_dtype).to(DEVICE) for _ in range(2))
+    kwargs = dict(x_norm_weight=x_w, scale_in_float32=True) if gemma else {}
+    normed, summed = add_rms_norm_triton(x, res, w, 1e-6, **kwargs)
+    ref_kwargs = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    ref_normed, ref_summed = add_rms_norm_reference(x.cpu(), res.cpu(), w.cpu(), 1e-6, **ref_kwargs)
+    assert normed.dtype == summed.dtype == dtype
+    if gemma:  # the sandwich norm's sum of squares may round differently: the sum is off by an ulp at most
+        assert relative_error(summed, ref_summed) < TOLERANCE[dtype]
+    else:
+        assert torch.equal(summed.cpu(), ref_summed)  # one rounding of the same sum
     assert relative_error(normed, ref_normed) < TOLERANCE[dtype]
 
 
@@ -501,17 +558,30 @@ def test_silu_mul_reference_is_transformers_llama_mlp_activation():
         assert torch.equal(silu_mul_reference(torch.cat([gate, up], -1)), ACT2FN["silu"](gate) * up)
 
 
+def test_gelu_tanh_mul_reference_is_transformers_gemma_mlp_activation():
+    from transformers.activations import ACT2FN
+
+    from kernels.silu_mul import gelu_tanh_mul_reference
+
+    for dtype in (torch.float32, torch.bfloat16):
+        gate, up = 3 * torch.randn(3, 40, dtype=dtype), torch.randn(3, 40, dtype=dtype)
+        expected = ACT2FN["gelu_pytorch_tanh"](gate) * up
+        assert torch.equal(gelu_tanh_mul_reference(torch.cat([gate, up], -1)), expected)
+
+
 @runs_triton
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
 @pytest.mark.parametrize("rows, width", [(1, 48), (9, 1500), (4, 2048)])
-def test_silu_mul_triton_matches_reference(dtype, rows, width):
-    from kernels.silu_mul import silu_mul_reference, silu_mul_triton
-
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_act_mul_triton_matches_reference(dtype, rows, width, activation):
+    act_mul = importlib.import_module("kernels.silu_mul")  # `kernels.silu_mul` is also the function
+    triton_fn = getattr(act_mul, f"{activation}_mul_triton")
+    reference = getattr(act_mul, f"{activation}_mul_reference")
     g = torch.Generator().manual_seed(rows * width)
     gate_up = (3 * torch.randn(rows, 2 * width, generator=g)).to(dtype).to(DEVICE)
-    out = silu_mul_triton(gate_up)
+    out = triton_fn(gate_up)
     assert out.shape == (rows, width) and out.dtype == dtype
-    assert relative_error(out, silu_mul_reference(gate_up.cpu())) < {
+    assert relative_error(out, reference(gate_up.cpu())) < {
         torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 4e-3}[dtype]
 
 
@@ -551,29 +621,63 @@ def test_rope_kv_write_reference_is_transformers_qwen3_attention_input():
         assert torch.equal(flat_k[slots], ref_k[0].transpose(0, 1)) and torch.equal(flat_v[slots], hv)
 
 
+def test_rope_kv_write_reference_is_transformers_gemma4_attention_input():
+    """Gemma's q/k norms scale in float32 (weights folded at load), and Gemma-4 norms the values."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, apply_rotary_pos_emb
+
+    from kernels.rope_kv_write import rope_kv_write_reference
+
+    heads, kv_heads, head_dim = 4, 2, 16
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv, positions, cos, sin, slots, k_cache, v_cache, _ = rope_case(
+            tokens=11, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=4, dtype=dtype, qk_norm=False)
+        (q_norm, _), (k_norm, _) = gemma_norms(head_dim, 1e-6)[1], gemma_norms(head_dim, 1e-6)[1]
+        q_norm, k_norm = q_norm.to(dtype), k_norm.to(dtype)
+        v_norm = Gemma4RMSNorm(head_dim, 1e-6, with_scale=False)
+        q = rope_kv_write_reference(qkv, positions, cos, sin, slots, k_cache, v_cache, num_heads=heads,
+                                    num_kv_heads=kv_heads, q_norm_weight=q_norm.weight.float(),
+                                    k_norm_weight=k_norm.weight.float(), eps=1e-6, scale_in_float32=True, v_norm=True)
+        hq, hk, hv = qkv.view(11, -1, head_dim).split([heads, kv_heads, kv_heads], 1)
+        full_cos, full_sin = torch.cat([cos, cos], -1)[positions], torch.cat([sin, sin], -1)[positions]
+        ref_q = apply_rotary_pos_emb(q_norm(hq), full_cos, full_sin, unsqueeze_dim=1)
+        ref_k = apply_rotary_pos_emb(k_norm(hk), full_cos, full_sin, unsqueeze_dim=1)
+        flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+        # Gemma-4's pow(·, -0.5) against our rsqrt: equal but for the last float32 bit.
+        bound = {torch.float32: 1e-7, torch.bfloat16: 4e-3}[dtype]
+        for got, expected in ((q, ref_q), (flat_k[slots], ref_k), (flat_v[slots], v_norm(hv))):
+            assert got.dtype == dtype and relative_error(got, expected) < bound
+
+
 @runs_triton
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
-@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("norms", ["none", "qwen3", "gemma4"])
 # (3, 20, 4, 16) and (2, 12, 4, 8): more heads than one program takes, its tiles splitting q and v heads.
 @pytest.mark.parametrize("tokens, heads, kv_heads, head_dim",
                          [(1, 4, 2, 16), (13, 8, 2, 32), (5, 2, 2, 24), (3, 20, 4, 16), (2, 12, 4, 8)])
-def test_rope_kv_write_triton_matches_reference(dtype, qk_norm, tokens, heads, kv_heads, head_dim):
+def test_rope_kv_write_triton_matches_reference(dtype, norms, tokens, heads, kv_heads, head_dim):
     from kernels.rope_kv_write import rope_kv_write_reference, rope_kv_write_triton
 
     qkv, positions, cos, sin, slots, k_cache, v_cache, (qw, kw) = rope_case(
-        tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=4, dtype=dtype, qk_norm=qk_norm)
-    kwargs = dict(num_heads=heads, num_kv_heads=kv_heads, q_norm_weight=qw, k_norm_weight=kw, eps=1e-6)
+        tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=4, dtype=dtype,
+        qk_norm=norms != "none")
+    gemma = norms == "gemma4"
+    if gemma:  # float32 weights (as folded at load), float32 scaling, normed values
+        qw, kw = qw.float(), kw.float()
+    kwargs = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-6, scale_in_float32=gemma, v_norm=gemma)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    ref_q = rope_kv_write_reference(qkv, positions, cos, sin, slots, ref_k, ref_v, **kwargs)
+    ref_q = rope_kv_write_reference(qkv, positions, cos, sin, slots, ref_k, ref_v, q_norm_weight=qw,
+                                    k_norm_weight=kw, **kwargs)
     moved = [None if t is None else t.to(DEVICE) for t in (qkv, positions, cos, sin, slots, k_cache, v_cache, qw, kw)]
     k_out, v_out = moved[5], moved[6]
-    q = rope_kv_write_triton(*moved[:7], num_heads=heads, num_kv_heads=kv_heads, q_norm_weight=moved[7],
-                             k_norm_weight=moved[8], eps=1e-6)
+    q = rope_kv_write_triton(*moved[:7], q_norm_weight=moved[7], k_norm_weight=moved[8], **kwargs)
     tolerance = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 4e-3}[dtype]
     assert relative_error(q, ref_q) < tolerance
     flat = lambda cache: cache.cpu().view(-1, kv_heads, head_dim)  # noqa: E731
     assert relative_error(flat(k_out)[slots], flat(ref_k)[slots]) < tolerance
-    assert torch.equal(flat(v_out)[slots], flat(ref_v)[slots])
+    if gemma:
+        assert relative_error(flat(v_out)[slots], flat(ref_v)[slots]) < tolerance
+    else:
+        assert torch.equal(flat(v_out)[slots], flat(ref_v)[slots])
     untouched = torch.ones(flat(k_out).shape[0], dtype=torch.bool)
     untouched[slots] = False
     assert flat(k_out)[untouched].isnan().all() and flat(v_out)[untouched].isnan().all()
