@@ -76,9 +76,10 @@ def _act_mul_triton(gate_up: torch.Tensor, *, gelu_tanh: bool) -> torch.Tensor:
 
 # gelu_tanh(x) = x/2 · (1 + tanh(c·(x + 0.044715·x³))) = x · sigmoid(2c·(x + 0.044715·x³)), c = sqrt(2/π):
 # the sigmoid form needs no tanh and has no cancellation near 0.
-TWO_SQRT_2_OVER_PI = 2.0 * math.sqrt(2.0 / math.pi)
 
 if triton is not None:
+    # A global a kernel reads must be a constexpr (the interpreter does not check it; the compiler does).
+    TWO_SQRT_2_OVER_PI = tl.constexpr(2.0 * math.sqrt(2.0 / math.pi))
 
     @triton.jit
     def _act_mul_kernel(x_ptr, out_ptr, x_row_stride, width, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr):
