@@ -1,7 +1,7 @@
 """The Ray Serve application: a gRPC router in front of verifier replicas (each with its drafter).
 
-`build_app(config)` is what `dflash serve` runs and what the Helm chart's serveConfigV2 imports
-(`services.app:app_from_env`). Ray Serve is the control plane — placement, replicas, health,
+`build_app(config)` is what `dflash serve` runs; the Helm chart's serveConfigV2 imports
+`services.app:app_from_config` with the config as the application's `args`. Ray Serve is the control plane — placement, replicas, health,
 restarts, request routing; the per-step traffic between a verifier and its drafter never goes
 through it (see services/verifier).
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 
 from services.config import ServeConfig
 from services.verifier.verifier import DRAFTER_CPUS
@@ -60,12 +59,16 @@ class VerifierDeployment:
 
 
 class RouterDeployment:
+    """The routers' own settings (config.ROUTER_SETTINGS) arrive as Serve's user_config, so a
+    changed value reaches running replicas through `reconfigure` and no model is loaded again."""
+
     def __init__(self, verifier, config: dict):
         from transformers import AutoConfig
 
         from services.router.router import Router
 
-        cfg = ServeConfig.from_dict(config)
+        self.config = ServeConfig.from_dict(config)
+        cfg = self.config
         max_len = cfg.engine.max_model_len or int(
             getattr(AutoConfig.from_pretrained(cfg.engine.target).get_text_config(), "max_position_embeddings", 0) or 32768
         )
@@ -73,6 +76,13 @@ class RouterDeployment:
                              max_tokens_limit=cfg.engine.max_tokens_limit,
                              default_max_tokens=cfg.default_max_tokens, max_pending=cfg.max_pending,
                              running_verifiers=_running_verifiers)
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Keys left out of user_config keep the application config's values; a bad value fails
+        the update (Serve reports it and keeps the replica as it was)."""
+        settings = self.config.with_router_settings(user_config)
+        self.router.max_pending = settings.max_pending
+        self.router.default_max_tokens = settings.default_max_tokens
 
     async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method names
         # aclosing: a cancelled client closes the router's stream at once, which frees the request.
@@ -132,15 +142,14 @@ def build_app(config: ServeConfig):
     verifier = serve.deployment(VerifierDeployment, **verifier_options).bind(config.to_dict())
     # Headroom over max_pending: the router itself answers RESOURCE_EXHAUSTED rather than Serve queueing.
     router = serve.deployment(RouterDeployment, name="Router", max_ongoing_requests=config.max_pending + CONTROL_HEADROOM,
-                              ray_actor_options={"num_cpus": ROUTER_CPUS},
+                              ray_actor_options={"num_cpus": ROUTER_CPUS}, user_config=config.router_settings(),
                               **_replicas(config.router_replicas, config.router_max_replicas,
                                           target=max(1, config.max_pending // 2)))
     return router.bind(verifier, config.to_dict())
 
 
-def app_from_env(args: dict | None = None):
-    """Entry point for serveConfigV2 `import_path: services.app:app_from_env`: the YAML config
-    comes from the file named by DFLASH_CONFIG (the chart mounts it) or from `args`."""
-    if args:
-        return build_app(ServeConfig.from_dict(args))
-    return build_app(ServeConfig.from_yaml(os.environ["DFLASH_CONFIG"]))
+def app_from_config(args: dict):
+    """Entry point for serveConfigV2 `import_path: services.app:app_from_config`: the application's
+    `args` are the ServeConfig. Serve rebuilds the application, restarting every replica, when they
+    change; the chart therefore puts ROUTER_SETTINGS in the Router's user_config instead."""
+    return build_app(ServeConfig.from_dict(args))
