@@ -70,20 +70,22 @@ class RayHead:
 
 
 @contextlib.contextmanager
-def ray_head(env: dict[str, str] | None = None, headers: dict | None = None):
+def ray_head(auth_token: str | None = None):
+    """auth_token: Ray's token authentication on, as KubeRay's authOptions (mode: token) turns it
+    on: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN in every Ray process, the token on every REST call."""
     port = free_port()
-    head_env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": auth_token} if auth_token else {"RAY_AUTH_MODE": "disabled"}
+    head_env = {**os.environ, **auth, "RAY_USAGE_STATS_ENABLED": "0",
                 # The replicas import this checkout's `services`, as the image's workers import theirs.
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-                "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
-                **(env or {})}
+                "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
     head = None
     process = subprocess.Popen([sys.executable, "-c", HEAD, str(port)], cwd=REPO, env=head_env,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         line = process.stdout.readline()
         assert line.strip() == "ready", f"the Ray head did not start (exit code {process.poll()})"
-        head = RayHead(f"http://127.0.0.1:{port}", headers or {})
+        head = RayHead(f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {auth_token}"} if auth_token else {})
         _wait_for_the_rest_api(head)
         yield head
     finally:

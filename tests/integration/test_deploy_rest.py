@@ -1,11 +1,12 @@
 """The chart's deploy path, exercised: the rendered RayService's serveConfigV2 is submitted to a
 real Ray head through the dashboard's REST API exactly as KubeRay submits it, then served over
-gRPC; a config-only change (a `helm upgrade` of router settings) is applied to the running
+gRPC, with Ray's token authentication on as the chart's rayAuth turns it on; a config-only change (a `helm upgrade` of router settings) is applied to the running
 application in place, without restarting a replica or loading a model again, while an engine
 change rebuilds it."""
 
 from __future__ import annotations
 
+import secrets
 import time
 
 import grpc
@@ -17,7 +18,7 @@ from services.engine.loader import build_engine
 from services.engine.sampling import SamplingParams
 from tests.helm.chart import render
 from tests.integration.conftest import DEVICE, free_port
-from tests.integration.ray_head import ray_head
+from tests.integration.ray_head import RayHead, ray_head
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +45,7 @@ def replica_actors(details: dict) -> dict[str, list[str]]:
 def deployed(model_pair):
     target, drafter = model_pair
     ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port(), "dashboard": free_port()}
-    with ray_head() as head:
+    with ray_head(auth_token=secrets.token_hex(16)) as head:
         values = chart_values(target, drafter, ports, max_pending=8, default_max_tokens=32)
         head.deploy(serve_config(values))
         details = head.wait_running(APP)
@@ -72,6 +73,14 @@ def test_the_rendered_serve_config_deploys_through_the_rest_api_and_serves(deplo
     assert last.spec_stats.num_drafts > 0
     actors = replica_actors(deployed["details"])
     assert len(actors["Router"]) == 1 and len(actors["Verifier"]) == 1
+
+
+def test_the_rest_api_refuses_a_call_without_the_token(deployed):
+    anonymous = RayHead(deployed["head"].dashboard)
+    for headers in ({}, {"Authorization": "Bearer not-the-token"}):
+        anonymous.headers = headers
+        with pytest.raises(AssertionError, match="HTTP 40[13]"):  # 401 without a token, 403 a wrong one
+            anonymous.applications()
 
 
 def test_a_router_setting_changes_in_place_without_reloading_the_models(deployed):
