@@ -25,7 +25,9 @@ from tests.helm.chart import (
     load_chart,
     project_requirements,
     render,
+    scenario_values,
 )
+
 
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -396,3 +398,55 @@ def test_gcs_fault_tolerance_uses_the_external_redis_and_its_secret():
                        "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis", "key": "pw"}}}}
     with pytest.raises(helm_python.HelmRenderError, match="gcsFaultTolerance.redisAddress"):
         render({"gcsFaultTolerance": {"enabled": True}})
+
+
+def test_ray_token_auth_renders_kuberays_auth_options_with_the_token_secret():
+    assert "authOptions" not in render({}).cluster
+    assert render({"rayAuth": {"enabled": True}}).cluster["authOptions"] == {"mode": "token"}  # KubeRay's Secret
+    cluster = render({"rayAuth": {"enabled": True, "secretName": "ray-token"}}).cluster
+    assert cluster["authOptions"] == {"mode": "token", "secretName": "ray-token"}
+    # examples/multi-replica.yaml sets it: test_validate checks it against KubeRay's CRDs there.
+    assert scenario_values("multi-replica")["rayAuth"]["enabled"]
+
+
+DOWNLOAD = {"models": {"source": "pvc", "hf": {"tokenSecret": {"name": "hf-token", "key": "token"}},
+                       "download": {"enabled": True, "repos": [{"repo": "Qwen/Qwen3-8B", "revision": "0a1b2c"},
+                                                               {"repo": "z-lab/Qwen3-8B-DFlash-b16", "revision": "v1"}]}}}
+
+
+def test_the_model_download_runs_once_per_gpu_pod_before_ray_into_the_models_volume():
+    assert "initContainers" not in render({}).worker_group["template"]["spec"]
+    # examples/split-2gpu.yaml sets it: kubernetes-validate and checkov see the init containers there.
+    assert scenario_values("split-2gpu")["models"]["download"]["enabled"]
+    rendered = render(DOWNLOAD)
+    spec = rendered.worker_group["template"]["spec"]
+    assert "initContainers" not in rendered.cluster["headGroupSpec"]["template"]["spec"]  # no model there
+    fetch = spec["initContainers"]
+    assert [c["name"] for c in fetch] == ["fetch-model-0", "fetch-model-1"]
+    assert fetch[0]["command"] == ["hf", "download", "Qwen/Qwen3-8B", "--revision", "0a1b2c",
+                                   "--local-dir", "/models/Qwen/Qwen3-8B"]
+    ray_container = spec["containers"][0]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for container in fetch:
+        assert container["image"] == ray_container["image"]
+        assert container["securityContext"] == ray_container["securityContext"]
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["models"] == {"name": "models", "mountPath": "/models"}  # writable here only
+        assert mounts["hf-token"]["readOnly"] and volumes["hf-token"]["secret"]["secretName"] == "hf-token"
+        # The token as a file (HF_TOKEN_PATH), never as an environment variable.
+        assert env(container)["HF_TOKEN_PATH"] == f"{mounts['hf-token']['mountPath']}/token"
+        assert "HF_TOKEN" not in env(container)
+    assert {m["name"]: m for m in ray_container["volumeMounts"]}["models"]["readOnly"] is True
+    own_image = render({**DOWNLOAD, "models": {**DOWNLOAD["models"], "download": {
+        **DOWNLOAD["models"]["download"], "image": "registry.example.com/hf-cli:1"}}})
+    assert own_image.worker_group["template"]["spec"]["initContainers"][0]["image"] == "registry.example.com/hf-cli:1"
+
+
+@pytest.mark.parametrize(("values", "says"), [
+    ({"models": {"source": "hostPath", "hostPath": {"path": "/mnt/models"}, "download": {
+        "enabled": True, "repos": [{"repo": "Qwen/Qwen3-8B", "revision": "main"}]}}}, "use models.source pvc or hf"),
+    ({"models": {"download": {"enabled": True}}}, "list the models to fetch in models.download.repos"),
+])
+def test_a_download_with_nowhere_to_go_or_nothing_to_fetch_is_refused(values, says):
+    with pytest.raises(helm_python.HelmRenderError, match=says):
+        render(values)

@@ -28,6 +28,11 @@ BAD_VALUES = [
      ["/securityContext/allowPrivilegeEscalation", "must be false"]),
     ({"head": {"resources": {"limits": {"cpu": "lots", "memory": "8Gi"}}}}, ["/head/resources/limits/cpu", "'lots'"]),
     ({"ports": {"grpc": 70000}}, ["/ports/grpc", "maximum"]),
+    ({"models": {"download": {"enabled": True, "repos": [{"repo": "Qwen/Qwen3-8B"}]}}},
+     ["/models/download/repos/0", "missing property 'revision'"]),
+    ({"models": {"download": {"repos": [{"repo": "qwen3", "revision": "main"}]}}},
+     ["/models/download/repos/0/repo", "does not match pattern"]),
+    ({"rayAuth": {"enabled": "yes"}}, ["/rayAuth/enabled", "want boolean"]),
 ]
 
 
