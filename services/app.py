@@ -17,10 +17,36 @@ from services.verifier.verifier import DRAFTER_CPUS
 GRPC_SERVICER_FUNCTIONS = [
     "services.api.dflash.v1.generation_pb2_grpc.add_GenerationServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+    "services.app.lost_replicas_are_unavailable",
 ]
 ROUTER_CPUS = 0.25
 VERIFIER_CPUS = 0.5
 CONTROL_HEADROOM = 32
+
+
+def lost_replicas_are_unavailable(servicer, server) -> None:
+    """Listed with the gRPC servicer functions so that every Serve proxy runs it (it adds no
+    service). Ray 2.60's proxy answers a call whose Router replica died with INTERNAL and the
+    actor's internals (class, namespace, node IP); a client must see UNAVAILABLE, which is
+    retryable and says nothing of the cluster. The proxy's status mapping is wrapped for exactly
+    that case (ray is pinned; tests/integration kills a Router replica mid-stream to hold it)."""
+    import grpc
+    from ray.exceptions import RayActorError
+    from ray.serve._private import proxy
+    from ray.serve._private.proxy_request_response import ResponseStatus
+
+    serve_status = proxy.get_grpc_response_status
+    if getattr(serve_status, "lost_replicas_are_unavailable", False):
+        return
+
+    def status(exc, request_timeout_s, request_id):
+        if isinstance(exc, RayActorError):
+            return ResponseStatus(code=grpc.StatusCode.UNAVAILABLE, is_error=True,
+                                  message=f"request {request_id}: the server replica handling it was lost; retry")
+        return serve_status(exc, request_timeout_s, request_id)
+
+    status.lost_replicas_are_unavailable = True
+    proxy.get_grpc_response_status = status
 
 
 def _replica_metrics(deployment: str, model: str):

@@ -68,6 +68,7 @@ grpc_options:
   grpc_servicer_functions:
     - services.api.dflash.v1.generation_pb2_grpc.add_GenerationServicer_to_server
     - grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server
+    - services.app.lost_replicas_are_unavailable
 applications:
   - name: dflash
     route_prefix: /
