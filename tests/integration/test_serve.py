@@ -272,6 +272,21 @@ def _nothing_held(app) -> None:
     assert not [name for name in os.listdir("/dev/shm") if name.startswith("dflash_")]
 
 
+def test_a_bounded_soak_is_lossless_and_leaks_nothing(app, model_pair):
+    """services/bench/soak.py for about two minutes: greedy outputs equal the target alone's,
+    cancellations and bad inputs end as they must, no replica restarted, nothing left held."""
+    from services.bench.soak import soak
+
+    report = soak(f"127.0.0.1:{app['ports']['grpc']}", model_pair[0], device=DEVICE, streams=4, seconds=120,
+                  max_tokens=24, cancel_fraction=0.2, bad_fraction=0.1)
+    assert report.mismatches == 0, report.mismatch_examples
+    assert not report.failures, report.to_dict()
+    assert report.requests["greedy"] >= 20 and report.requests["cancelled"] and report.requests["bad_input"]
+    assert report.outcomes["INVALID_ARGUMENT"] == report.requests["bad_input"]
+    assert report.rss_mb is not None and report.rss_mb["replaced"] == [], report.rss_mb  # the replicas run here
+    _nothing_held(app)
+
+
 def test_a_router_replica_dying_ends_its_streams_unavailable_and_leaks_nothing(app):
     """Streams through a killed router end UNAVAILABLE promptly (never hang), the verifier drops
     their requests, Serve starts a new router and it serves."""
