@@ -1,8 +1,8 @@
 """The Ray Serve application: a router (gRPC and the OpenAI HTTP API) in front of verifier
 replicas (each with its drafter).
 
-`build_app(config)` is what `dflash serve` runs and what the Helm chart's serveConfigV2 imports
-(`services.app:app_from_env`). Ray Serve is the control plane — placement, replicas, health,
+`build_app(config)` is what `dflash serve` runs; the Helm chart's serveConfigV2 imports
+`services.app:app_from_config` with the config as the application's `args`. Ray Serve is the control plane — placement, replicas, health,
 restarts, request routing; the per-step traffic between a verifier and its drafter never goes
 through it (see services/verifier).
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 
 from services.config import ServeConfig
 from services.verifier.verifier import DRAFTER_CPUS
@@ -19,10 +18,36 @@ from services.verifier.verifier import DRAFTER_CPUS
 GRPC_SERVICER_FUNCTIONS = [
     "services.api.dflash.v1.generation_pb2_grpc.add_GenerationServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+    "services.app.lost_replicas_are_unavailable",
 ]
 ROUTER_CPUS = 0.25
 VERIFIER_CPUS = 0.5
 CONTROL_HEADROOM = 32
+
+
+def lost_replicas_are_unavailable(servicer, server) -> None:
+    """Listed with the gRPC servicer functions so that every Serve proxy runs it (it adds no
+    service). Ray 2.60's proxy answers a call whose Router replica died with INTERNAL and the
+    actor's internals (class, namespace, node IP); a client must see UNAVAILABLE, which is
+    retryable and says nothing of the cluster. The proxy's status mapping is wrapped for exactly
+    that case (ray is pinned; tests/integration kills a Router replica mid-stream to hold it)."""
+    import grpc
+    from ray.exceptions import RayActorError
+    from ray.serve._private import proxy
+    from ray.serve._private.proxy_request_response import ResponseStatus
+
+    serve_status = proxy.get_grpc_response_status
+    if getattr(serve_status, "lost_replicas_are_unavailable", False):
+        return
+
+    def status(exc, request_timeout_s, request_id):
+        if isinstance(exc, RayActorError):
+            return ResponseStatus(code=grpc.StatusCode.UNAVAILABLE, is_error=True,
+                                  message=f"request {request_id}: the server replica handling it was lost; retry")
+        return serve_status(exc, request_timeout_s, request_id)
+
+    status.lost_replicas_are_unavailable = True
+    proxy.get_grpc_response_status = status
 
 
 def _replica_metrics(deployment: str, model: str):
@@ -62,7 +87,9 @@ class VerifierDeployment:
 
 class RouterDeployment:
     """Both ingresses of one replica: the gRPC methods below (Serve's gRPC proxy calls them by
-    name) and `__call__`, which Serve's HTTP proxy calls with each HTTP request."""
+    name) and `__call__`, which Serve's HTTP proxy calls with each HTTP request. The routers' own
+    settings (config.ROUTER_SETTINGS) arrive as Serve's user_config, so a changed value reaches
+    running replicas through `reconfigure` and no model is loaded again."""
 
     def __init__(self, verifier, config: dict):
         from transformers import AutoConfig
@@ -71,7 +98,8 @@ class RouterDeployment:
         from services.router.openai_api import OpenAIServer
         from services.router.router import Router
 
-        cfg = ServeConfig.from_dict(config)
+        self.config = ServeConfig.from_dict(config)
+        cfg = self.config
         max_len = cfg.engine.max_model_len or int(
             getattr(AutoConfig.from_pretrained(cfg.engine.target).get_text_config(), "max_position_embeddings", 0) or 32768
         )
@@ -85,6 +113,13 @@ class RouterDeployment:
     async def __call__(self, request):
         """An HTTP request (a starlette Request): the OpenAI API."""
         return await self.openai(request)
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Keys left out of user_config keep the application config's values; a bad value fails
+        the update (Serve reports it and keeps the replica as it was)."""
+        settings = self.config.with_router_settings(user_config)
+        self.router.max_pending = settings.max_pending
+        self.router.default_max_tokens = settings.default_max_tokens
 
     async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method names
         # aclosing: a cancelled client closes the router's stream at once, which frees the request.
@@ -144,15 +179,14 @@ def build_app(config: ServeConfig):
     verifier = serve.deployment(VerifierDeployment, **verifier_options).bind(config.to_dict())
     # Headroom over max_pending: the router itself answers RESOURCE_EXHAUSTED rather than Serve queueing.
     router = serve.deployment(RouterDeployment, name="Router", max_ongoing_requests=config.max_pending + CONTROL_HEADROOM,
-                              ray_actor_options={"num_cpus": ROUTER_CPUS},
+                              ray_actor_options={"num_cpus": ROUTER_CPUS}, user_config=config.router_settings(),
                               **_replicas(config.router_replicas, config.router_max_replicas,
                                           target=max(1, config.max_pending // 2)))
     return router.bind(verifier, config.to_dict())
 
 
-def app_from_env(args: dict | None = None):
-    """Entry point for serveConfigV2 `import_path: services.app:app_from_env`: the YAML config
-    comes from the file named by DFLASH_CONFIG (the chart mounts it) or from `args`."""
-    if args:
-        return build_app(ServeConfig.from_dict(args))
-    return build_app(ServeConfig.from_yaml(os.environ["DFLASH_CONFIG"]))
+def app_from_config(args: dict):
+    """Entry point for serveConfigV2 `import_path: services.app:app_from_config`: the application's
+    `args` are the ServeConfig. Serve rebuilds the application, restarting every replica, when they
+    change; the chart therefore puts ROUTER_SETTINGS in the Router's user_config instead."""
+    return build_app(ServeConfig.from_dict(args))

@@ -59,6 +59,9 @@ class EngineConfig:
 
 
 TOPOLOGIES = ("split", "colocated")
+# ServeConfig keys only the routers read. A running application takes a change of these in place
+# (Serve's user_config: the routers' reconfigure); any other change rebuilds it and reloads the models.
+ROUTER_SETTINGS = ("max_pending", "default_max_tokens")
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,23 @@ class ServeConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def router_settings(self) -> dict:
+        return {key: getattr(self, key) for key in ROUTER_SETTINGS}
+
+    def with_router_settings(self, settings: dict) -> ServeConfig:
+        """This config with `settings` (a Router's user_config, any subset of ROUTER_SETTINGS)
+        over it, checked as strictly as a whole config."""
+        unknown = sorted(set(settings or {}) - set(ROUTER_SETTINGS))
+        if unknown:
+            raise ValueError(f"Router user_config: unknown key(s) {', '.join(unknown)}; "
+                             f"only {', '.join(ROUTER_SETTINGS)} apply in place")
+        for key, value in (settings or {}).items():
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"Router user_config: {key} must be an integer, got {value!r}")
+        config = dataclasses.replace(self, **(settings or {}))
+        config.validate()
+        return config
 
 
 def _check_keys(raw: dict, kind: type, prefix: str, skip: set[str] = frozenset()) -> None:

@@ -15,8 +15,6 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "dflash-serve"
 RELEASE = "dflash-serve"
 NAMESPACE = "llm"
-# Where the pods find the server's config (DFLASH_CONFIG); the image's default --config too.
-CONFIG_PATH = "/etc/dflash/config.yaml"
 # The values files the README offers, besides the defaults.
 EXAMPLES = {path.stem: path for path in sorted((CHART / "examples").glob("*.yaml"))}
 
@@ -76,8 +74,19 @@ class Rendered:
         return yaml.safe_load(self.rayservice["spec"]["serveConfigV2"])
 
     @property
-    def dflash_config_text(self) -> str:
-        return self.one("ConfigMap", "-config")["data"]["config.yaml"]
+    def app(self) -> dict:
+        (app,) = self.serve_config["applications"]
+        return app
+
+    def deployment_overrides(self, name: str) -> dict:
+        (found,) = [d for d in self.app.get("deployments", []) if d["name"] == name]
+        return found
+
+    @property
+    def dflash_config(self) -> dict:
+        """The server's config as the chart hands it over: the application's args plus the
+        routers' settings in the Router's user_config."""
+        return {**self.app["args"], **self.deployment_overrides("Router").get("user_config", {})}
 
 
 def load_chart() -> helm_python.Chart:

@@ -1,5 +1,5 @@
 """The top-level Dockerfile: lint-clean (hadolint), its pins satisfy pyproject.toml, and it agrees
-with the chart on user, home, config path and ports. No Docker engine here: it is not built."""
+with the chart on user, home and ports. No Docker engine here: it is not built."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.helm.chart import CONFIG_PATH, REPO, chart_values, project_requirements, render
+from tests.helm.chart import REPO, chart_values, project_requirements, render
 
 DOCKERFILE = REPO / "Dockerfile"
+# Where `docker run` users mount the config file (the chart passes it through serveConfigV2 instead).
+IMAGE_CONFIG_PATH = "/etc/dflash/config.yaml"
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -78,11 +80,12 @@ def test_the_image_runs_as_the_charts_non_root_user():
     assert {"name": "HOME", "value": home} in head["spec"]["containers"][0]["env"]
 
 
-def test_entry_point_is_dflash_serve_on_the_charts_config_path():
+def test_entry_point_is_dflash_serve_on_the_documented_config_path():
     (entrypoint,) = arguments("ENTRYPOINT")
     (cmd,) = arguments("CMD")
     assert json.loads(entrypoint) == ["dflash", "serve"]
-    assert json.loads(cmd) == ["--config", CONFIG_PATH]
+    assert json.loads(cmd) == ["--config", IMAGE_CONFIG_PATH]
+    assert f":{IMAGE_CONFIG_PATH}:ro" in DOCKERFILE.read_text()  # the docker run line in its header
 
 
 def test_health_check_asks_grpc_health_on_the_grpc_port():

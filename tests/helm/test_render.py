@@ -15,10 +15,9 @@ from google.protobuf import json_format
 
 from services.api.dflash.v1 import generation_pb2
 from services.app import GRPC_SERVICER_FUNCTIONS
-from services.config import ServeConfig
+from services.config import ROUTER_SETTINGS, ServeConfig
 from tests.helm.chart import (
     CHART,
-    CONFIG_PATH,
     NAMESPACE,
     RELEASE,
     REPO,
@@ -26,7 +25,9 @@ from tests.helm.chart import (
     load_chart,
     project_requirements,
     render,
+    scenario_values,
 )
+
 
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -70,49 +71,72 @@ def test_serve_config_runs_the_app_and_the_grpc_services_of_services_app(rendere
     assert serve["grpc_options"]["grpc_servicer_functions"] == GRPC_SERVICER_FUNCTIONS
     assert serve["grpc_options"]["port"] == ports["grpc"]
     assert serve["http_options"]["port"] == ports["http"]
-    (app,) = serve["applications"]
-    assert app["import_path"] == "services.app:app_from_env"
-    assert "args" not in app  # the config comes from the mounted file, one copy only
+    assert rendered.app["import_path"] == "services.app:app_from_config"
 
 
-def test_config_file_is_the_users_block_plus_the_ports(rendered, values):
+def test_the_config_is_the_users_block_plus_the_ports(rendered, values):
     merged = chart_values(values)
     expected = {**merged["dflash"], "grpc_port": merged["ports"]["grpc"], "http_port": merged["ports"]["http"],
                 "metrics_port": merged["ports"]["metrics"]}
     if merged["apiKeys"]["secretName"]:
         expected["api_keys_file"] = "/etc/dflash-keys/keys"
-    assert yaml.safe_load(rendered.dflash_config_text) == expected
-    # Nothing is defaulted on the way: a key the user did not set is not in the file.
-    assert "max_pending" not in yaml.safe_load(render({}).dflash_config_text)
+    assert rendered.dflash_config == expected
+    assert not set(ROUTER_SETTINGS) & set(rendered.app["args"])  # those go to the Router's user_config
+    # Nothing is defaulted on the way: a key the user did not set is in neither place.
+    assert render({}).dflash_config.keys() == {"engine", "grpc_port", "http_port", "metrics_port"}
 
 
-def test_config_file_is_a_valid_serve_config(rendered, tmp_path):
-    path = tmp_path / "config.yaml"
-    path.write_text(rendered.dflash_config_text)
-    config = ServeConfig.from_yaml(str(path))  # strict: unknown keys and bad values raise
+def test_the_config_is_a_valid_serve_config(rendered):
+    config = ServeConfig.from_dict(rendered.dflash_config)  # strict: unknown keys and bad values raise
     assert config.engine.device == "cuda"
 
 
-def test_every_ray_container_reads_the_mounted_config(rendered):
-    config_map = rendered.one("ConfigMap", "-config")
+def test_no_pod_carries_the_config(rendered):
+    """The config lives in serveConfigV2 alone: no ConfigMap, file or checksum annotation, so a
+    config-only change is no pod template change."""
+    assert not [o for o in rendered.objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-config")]
     for group, template in rendered.pod_templates().items():
-        container = template["spec"]["containers"][0]
-        assert env(container)["DFLASH_CONFIG"] == CONFIG_PATH, group
-        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == CONFIG_PATH.rsplit("/", 1)[0]]
-        (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == mount["name"]]
-        assert volume["configMap"]["name"] == config_map["metadata"]["name"]
-    assert "config.yaml" in config_map["data"]
+        assert not [k for k in template["metadata"].get("annotations", {}) if k.startswith("checksum/")], group
+        assert "DFLASH_CONFIG" not in env(template["spec"]["containers"][0]), group
 
 
-def test_a_changed_config_changes_the_pod_templates():
-    """NewCluster rolls out a changed cluster spec; the config file alone would not change it."""
-    def checksums(values):
-        return {g: t["metadata"]["annotations"]["checksum/dflash-config"]
-                for g, t in render(values).pod_templates().items()}
+def _code_version(rendered) -> str:
+    from ray.serve._private.deploy_utils import get_app_code_version
+    from ray.serve.schema import ServeApplicationSchema
 
-    base, changed = checksums({}), checksums({"dflash": {"max_pending": 64}})
-    assert len(set(base.values())) == 1 and checksums({}) == base
-    assert changed.keys() == base.keys() and set(changed.values()).isdisjoint(base.values())
+    return get_app_code_version(ServeApplicationSchema.model_validate(rendered.app))
+
+
+def test_a_router_setting_changes_serve_config_only_and_keeps_the_apps_code_version():
+    """KubeRay applies a changed serveConfigV2 to the running cluster (the pod templates are
+    unchanged); Serve restarts replicas only when the application's code version, a hash of its
+    import path and args (Ray 2.60's get_app_code_version), changes."""
+    base = render({})
+    routers = render({"dflash": {"max_pending": 64, "default_max_tokens": 100}})
+    engine = render({"dflash": {"engine": {"max_num_seqs": 8}}})
+    for changed in (routers, engine):
+        assert changed.cluster == base.cluster
+        assert changed.serve_config != base.serve_config
+    assert _code_version(routers) == _code_version(base)
+    assert _code_version(engine) != _code_version(base)
+
+
+def test_the_router_overrides_are_what_build_app_derives_from_the_same_config():
+    from services.app import build_app
+
+    rendered = render({"dflash": {"max_pending": 64, "default_max_tokens": 100, "router_replicas": 2,
+                                  "router_max_replicas": 5}})
+    router = build_app(ServeConfig.from_dict(rendered.dflash_config))._bound_deployment
+    verifier = router.init_args[0]._bound_deployment
+    overrides = rendered.deployment_overrides("Router")
+    assert overrides["user_config"] == {"max_pending": 64, "default_max_tokens": 100} == router.user_config
+    assert overrides["max_ongoing_requests"] == router.max_ongoing_requests
+    built = router._deployment_config.autoscaling_config
+    assert overrides["autoscaling_config"] == built.model_dump(include=set(overrides["autoscaling_config"]))
+    assert rendered.deployment_overrides("Verifier") == {"name": "Verifier",
+                                                         "max_ongoing_requests": verifier.max_ongoing_requests}
+    # Without max_pending, the built values stand: nothing but the (empty) user_config is overridden.
+    assert render({}).app["deployments"] == [{"name": "Router", "user_config": {}}]
 
 
 def test_ports_are_named_for_kuberay_and_prometheus(rendered, values):
@@ -217,7 +241,7 @@ def test_one_dashboard_config_map_per_dashboard_for_the_grafana_sidecar(rendered
 
 def test_dashboards_can_be_turned_off():
     maps = render({"grafanaDashboards": {"enabled": False}}).all("ConfigMap")
-    assert [m["metadata"]["name"] for m in maps] == [f"{RELEASE}-config"]
+    assert maps == []
 
 
 def pod_labels(rendered) -> list[dict]:
@@ -334,7 +358,6 @@ def test_operator_pod_settings_reach_both_ray_pods():
     for group, template in rendered.pod_templates().items():
         meta, spec = template["metadata"], template["spec"]
         assert meta["labels"]["team"] == "llm" and meta["annotations"]["example.com/owner"] == "platform"
-        assert "checksum/dflash-config" in meta["annotations"]
         assert spec["priorityClassName"] == "llm-serving" and spec["serviceAccountName"] == "dflash"
         assert spec["automountServiceAccountToken"] is False
         container = spec["containers"][0]
@@ -382,7 +405,7 @@ def test_gcs_fault_tolerance_uses_the_external_redis_and_its_secret():
 
 def test_api_keys_come_from_the_secret_mounted_where_the_config_points():
     rendered = render({"apiKeys": {"secretName": "dflash-api-keys", "key": "api-keys.txt"}})
-    config = yaml.safe_load(rendered.dflash_config_text)
+    config = rendered.dflash_config
     assert config["api_keys_file"] == "/etc/dflash-keys/keys"
     ServeConfig.from_dict(config)  # the server takes it
     for group, template in rendered.pod_templates().items():
@@ -394,7 +417,7 @@ def test_api_keys_come_from_the_secret_mounted_where_the_config_points():
         (mount,) = [m for m in container["volumeMounts"] if m["name"] == "api-keys"]
         assert mount == {"name": "api-keys", "mountPath": "/etc/dflash-keys", "readOnly": True}, group
     default = render({})
-    assert "api_keys_file" not in yaml.safe_load(default.dflash_config_text)
+    assert "api_keys_file" not in default.dflash_config
     assert not [v for t in default.pod_templates().values() for v in t["spec"]["volumes"] if v["name"] == "api-keys"]
 
 
@@ -449,3 +472,55 @@ def test_incomplete_expose_values_are_refused(expose, message):
     """By the values schema, or by the template where the rule spans two keys' meanings."""
     with pytest.raises((helm_python.HelmRenderError, helm_python.HelmValuesError), match=message):
         render({"expose": expose})
+
+
+def test_ray_token_auth_renders_kuberays_auth_options_with_the_token_secret():
+    assert "authOptions" not in render({}).cluster
+    assert render({"rayAuth": {"enabled": True}}).cluster["authOptions"] == {"mode": "token"}  # KubeRay's Secret
+    cluster = render({"rayAuth": {"enabled": True, "secretName": "ray-token"}}).cluster
+    assert cluster["authOptions"] == {"mode": "token", "secretName": "ray-token"}
+    # examples/multi-replica.yaml sets it: test_validate checks it against KubeRay's CRDs there.
+    assert scenario_values("multi-replica")["rayAuth"]["enabled"]
+
+
+DOWNLOAD = {"models": {"source": "pvc", "hf": {"tokenSecret": {"name": "hf-token", "key": "token"}},
+                       "download": {"enabled": True, "repos": [{"repo": "Qwen/Qwen3-8B", "revision": "0a1b2c"},
+                                                               {"repo": "z-lab/Qwen3-8B-DFlash-b16", "revision": "v1"}]}}}
+
+
+def test_the_model_download_runs_once_per_gpu_pod_before_ray_into_the_models_volume():
+    assert "initContainers" not in render({}).worker_group["template"]["spec"]
+    # examples/split-2gpu.yaml sets it: kubernetes-validate and checkov see the init containers there.
+    assert scenario_values("split-2gpu")["models"]["download"]["enabled"]
+    rendered = render(DOWNLOAD)
+    spec = rendered.worker_group["template"]["spec"]
+    assert "initContainers" not in rendered.cluster["headGroupSpec"]["template"]["spec"]  # no model there
+    fetch = spec["initContainers"]
+    assert [c["name"] for c in fetch] == ["fetch-model-0", "fetch-model-1"]
+    assert fetch[0]["command"] == ["hf", "download", "Qwen/Qwen3-8B", "--revision", "0a1b2c",
+                                   "--local-dir", "/models/Qwen/Qwen3-8B"]
+    ray_container = spec["containers"][0]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for container in fetch:
+        assert container["image"] == ray_container["image"]
+        assert container["securityContext"] == ray_container["securityContext"]
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["models"] == {"name": "models", "mountPath": "/models"}  # writable here only
+        assert mounts["hf-token"]["readOnly"] and volumes["hf-token"]["secret"]["secretName"] == "hf-token"
+        # The token as a file (HF_TOKEN_PATH), never as an environment variable.
+        assert env(container)["HF_TOKEN_PATH"] == f"{mounts['hf-token']['mountPath']}/token"
+        assert "HF_TOKEN" not in env(container)
+    assert {m["name"]: m for m in ray_container["volumeMounts"]}["models"]["readOnly"] is True
+    own_image = render({**DOWNLOAD, "models": {**DOWNLOAD["models"], "download": {
+        **DOWNLOAD["models"]["download"], "image": "registry.example.com/hf-cli:1"}}})
+    assert own_image.worker_group["template"]["spec"]["initContainers"][0]["image"] == "registry.example.com/hf-cli:1"
+
+
+@pytest.mark.parametrize(("values", "says"), [
+    ({"models": {"source": "hostPath", "hostPath": {"path": "/mnt/models"}, "download": {
+        "enabled": True, "repos": [{"repo": "Qwen/Qwen3-8B", "revision": "main"}]}}}, "use models.source pvc or hf"),
+    ({"models": {"download": {"enabled": True}}}, "list the models to fetch in models.download.repos"),
+])
+def test_a_download_with_nowhere_to_go_or_nothing_to_fetch_is_refused(values, says):
+    with pytest.raises(helm_python.HelmRenderError, match=says):
+        render(values)

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 from ray.serve.schema import ServeDeploySchema
 
-from services.app import app_from_env, build_app
+from services.app import app_from_config, build_app
 from services.config import EngineConfig, ServeConfig
 from tests.helm.chart import chart_values, render
 from tests.helm.kube_schemas import KUBERAY_CRDS, crd_errors
@@ -124,11 +124,8 @@ def cpus(quantity: str) -> float:
     return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
 
 
-def test_the_app_builds_from_the_mounted_config_and_fits_the_gpu_workers(rendered, values, tmp_path, monkeypatch):
-    path = tmp_path / "config.yaml"
-    path.write_text(rendered.dflash_config_text)
-    monkeypatch.setenv("DFLASH_CONFIG", str(path))
-    router = app_from_env()._bound_deployment  # Ray 2.60's Application (ray is pinned)
+def test_the_app_builds_from_the_rendered_config_and_fits_the_gpu_workers(rendered, values):
+    router = app_from_config(rendered.app["args"])._bound_deployment  # Ray 2.60's Application (ray is pinned)
     verifier = router.init_args[0]._bound_deployment
     assert (router.name, verifier.name) == ("Router", "Verifier")
 

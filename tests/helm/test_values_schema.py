@@ -28,6 +28,11 @@ BAD_VALUES = [
      ["/securityContext/allowPrivilegeEscalation", "must be false"]),
     ({"head": {"resources": {"limits": {"cpu": "lots", "memory": "8Gi"}}}}, ["/head/resources/limits/cpu", "'lots'"]),
     ({"ports": {"grpc": 70000}}, ["/ports/grpc", "maximum"]),
+    ({"models": {"download": {"enabled": True, "repos": [{"repo": "Qwen/Qwen3-8B"}]}}},
+     ["/models/download/repos/0", "missing property 'revision'"]),
+    ({"models": {"download": {"repos": [{"repo": "qwen3", "revision": "main"}]}}},
+     ["/models/download/repos/0/repo", "does not match pattern"]),
+    ({"rayAuth": {"enabled": "yes"}}, ["/rayAuth/enabled", "want boolean"]),
 ]
 
 
@@ -44,7 +49,7 @@ def test_bad_values_are_rejected_with_a_readable_message(values, says):
                                               and "grpc_port" not in case[0]["dflash"]])
 def test_the_server_rejects_what_the_chart_rejects(values, says):
     """The same bad config, given to the server directly, fails there too."""
-    config = yaml.safe_load(render({}).dflash_config_text)
+    config = render({}).dflash_config
     for key, value in values["dflash"].items():
         config[key] = {**config[key], **value} if isinstance(value, dict) else value
     with pytest.raises((ValueError, TypeError)):
@@ -61,6 +66,6 @@ def test_the_dflash_block_schema_is_generated_from_services_config():
 def test_unset_config_keys_keep_the_servers_defaults():
     """Helm's null removes a default from values.yaml; the server's own default then applies."""
     rendered = render({"dflash": {"topology": "colocated", "engine": {"drafter": None}}})
-    config = yaml.safe_load(rendered.dflash_config_text)
+    config = rendered.dflash_config
     assert "drafter" not in config["engine"]
     assert ServeConfig.from_dict(config).engine.drafter is None

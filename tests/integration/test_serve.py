@@ -228,26 +228,28 @@ def test_every_series_the_dashboards_query_is_in_a_live_scrape(app):
     assert missing() == set()
 
 
-def test_a_verifier_replica_dying_is_unavailable_then_fails_fast_until_one_is_back(app):
-    """Last here: it restarts the verifier. Streams it held end UNAVAILABLE (retryable), requests
-    sent while no replica runs fail fast instead of waiting out the restart, and it comes back."""
+def _serve_replica(deployment: str):
+    """The one replica actor of `deployment` in the app (Serve names them SERVE_REPLICA::app#name#id)."""
     import ray
 
-    stub = app["stub"]
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith(f"SERVE_REPLICA::dflash#{deployment}#")]
+    assert len(replicas) == 1, replicas
+    return ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
+
+
+def _long_streams(stub, count: int) -> list:
+    """`count` streams, each past its first token."""
     long = generation_pb2.GenerateRequest(prompt="import os",
                                           sampling=generation_pb2.SamplingParams(max_tokens=480, ignore_eos=True))
-    calls = [stub.Generate(long, timeout=120) for _ in range(2)]
+    calls = [stub.Generate(long, timeout=120) for _ in range(count)]
     for call in calls:
         next(call)
-    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                if a["name"].startswith("SERVE_REPLICA::dflash#Verifier#")]
-    assert len(replicas) == 1
-    ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
-    for call in calls:
-        with pytest.raises(grpc.RpcError) as err:
-            list(call)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "retry" in err.value.details()
+    return calls
 
+
+def _wait_served_again(stub, *, fail_fast_s: float = 30) -> None:
+    """Until a request is served; meanwhile every failure is UNAVAILABLE and comes fast."""
     def served():
         start = time.monotonic()
         try:
@@ -255,11 +257,65 @@ def test_a_verifier_replica_dying_is_unavailable_then_fails_fast_until_one_is_ba
             return True
         except grpc.RpcError as err:  # only while no replica runs, and without waiting out the restart
             assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
-            assert time.monotonic() - start < 30  # 1 s locally, 10 s seen on a loaded 2-core CI machine
+            assert time.monotonic() - start < fail_fast_s  # 1 s locally, 10 s seen on a loaded 2-core CI machine
             return False
 
-    _wait(served, timeout=180, what="a new verifier replica to serve")
+    _wait(served, timeout=180, what="a new replica to serve")
+
+
+def _nothing_held(app) -> None:
+    """No request, KV block, drafter sequence or shared-memory segment is left behind."""
     stats = _wait(lambda: (s := _verifier_stats(app))["running"] == 0 and s["waiting"] == 0 and s, what="idle")
     assert stats["kv_free_blocks"] == stats["kv_blocks"]
-    # The killed replica's shared buffers were unlinked once its drafter had mapped them.
+    _wait(lambda: _drafter_stats(app)["live_sequences"] == 0, what="the drafter to forget every sequence")
+    # Shared buffers are unlinked once the drafter has mapped them.
     assert not [name for name in os.listdir("/dev/shm") if name.startswith("dflash_")]
+
+
+def test_a_bounded_soak_is_lossless_and_leaks_nothing(app, model_pair):
+    """services/bench/soak.py for about two minutes: greedy outputs equal the target alone's,
+    cancellations and bad inputs end as they must, no replica restarted, nothing left held."""
+    from services.bench.soak import soak
+
+    report = soak(f"127.0.0.1:{app['ports']['grpc']}", model_pair[0], device=DEVICE, streams=4, seconds=120,
+                  max_tokens=24, cancel_fraction=0.2, bad_fraction=0.1)
+    assert report.mismatches == 0, report.mismatch_examples
+    assert not report.failures, report.to_dict()
+    assert report.requests["greedy"] >= 20 and report.requests["cancelled"] and report.requests["bad_input"]
+    assert report.outcomes["INVALID_ARGUMENT"] == report.requests["bad_input"]
+    assert report.rss_mb is not None and report.rss_mb["replaced"] == [], report.rss_mb  # the replicas run here
+    _nothing_held(app)
+
+
+def test_a_router_replica_dying_ends_its_streams_unavailable_and_leaks_nothing(app):
+    """Streams through a killed router end UNAVAILABLE promptly (never hang), the verifier drops
+    their requests, Serve starts a new router and it serves."""
+    import ray
+
+    stub = app["stub"]
+    calls = _long_streams(stub, 2)
+    killed = time.monotonic()
+    ray.kill(_serve_replica("Router"), no_restart=True)
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "retry" in err.value.details(), err.value.details()
+    assert time.monotonic() - killed < 30
+    _wait_served_again(stub)
+    _nothing_held(app)
+
+
+def test_a_verifier_replica_dying_is_unavailable_then_fails_fast_until_one_is_back(app):
+    """Last here: it restarts the verifier. Streams it held end UNAVAILABLE (retryable), requests
+    sent while no replica runs fail fast instead of waiting out the restart, and it comes back."""
+    import ray
+
+    stub = app["stub"]
+    calls = _long_streams(stub, 2)
+    ray.kill(_serve_replica("Verifier"), no_restart=True)
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "retry" in err.value.details()
+    _wait_served_again(stub)
+    _nothing_held(app)

@@ -32,8 +32,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
 {{/*
-The server's config file: the user's `dflash` block as given (no defaults added here), plus the
-ports this chart owns.
+The server's config: the user's `dflash` block as given (no defaults added here), plus the ports
+this chart owns.
 */}}
 {{- define "dflash-serve.config" -}}
 {{- $owned := dict "grpc_port" .Values.ports.grpc "http_port" .Values.ports.http "metrics_port" .Values.ports.metrics -}}
@@ -45,18 +45,24 @@ ports this chart owns.
 
 {{- define "dflash-serve.apiKeysFile" -}}/etc/dflash-keys/keys{{- end -}}
 
-{{- define "dflash-serve.configPath" -}}/etc/dflash/config.yaml{{- end -}}
-
 {{- define "dflash-serve.modelsClaim" -}}
 {{- .Values.models.pvc.existingClaim | default (printf "%s-models" (include "dflash-serve.fullname" .)) -}}
 {{- end -}}
 
 {{/*
-Ray Serve's config (RayService serveConfigV2). The application is built by
-services.app:app_from_env from the file DFLASH_CONFIG names; grpc_servicer_functions is
-services/app.py:GRPC_SERVICER_FUNCTIONS (tests/helm checks they match).
+Ray Serve's config (RayService serveConfigV2), where the server's config lives (no file, no pod
+annotation: a config-only change leaves the pods alone, and KubeRay applies it to the running
+cluster). services.app:app_from_config builds the application from its `args`; Serve rebuilds it,
+restarting every replica and reloading the models, when they change. The routers' own settings
+(services/config.py:ROUTER_SETTINGS) go to the Router's user_config instead, with the Serve options
+build_app derives from max_pending (CONTROL_HEADROOM is services/app.py's), so changing them
+restarts nothing. grpc_servicer_functions is services/app.py:GRPC_SERVICER_FUNCTIONS (tests/helm
+checks all of these match).
 */}}
 {{- define "dflash-serve.serveConfig" -}}
+{{- $config := include "dflash-serve.config" . | fromYaml -}}
+{{- $router := pick $config "max_pending" "default_max_tokens" -}}
+{{- $headroom := 32 -}}
 proxy_location: EveryNode
 http_options:
   host: 0.0.0.0
@@ -67,18 +73,35 @@ grpc_options:
   grpc_servicer_functions:
     - services.api.dflash.v1.generation_pb2_grpc.add_GenerationServicer_to_server
     - grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server
+    - services.app.lost_replicas_are_unavailable
 applications:
   - name: dflash
     route_prefix: /
-    import_path: services.app:app_from_env
+    import_path: services.app:app_from_config
+    args:
+      {{- omit $config "max_pending" "default_max_tokens" | toYaml | nindent 6 }}
+    deployments:
+      - name: Router
+        user_config: {{ $router | toJson }}
+        {{- with $router.max_pending }}
+        max_ongoing_requests: {{ add . $headroom }}
+        {{- $low := int (dig "router_replicas" 1 $config) }}
+        {{- $high := int (dig "router_max_replicas" 0 $config) }}
+        {{- if gt $high $low }}
+        autoscaling_config:
+          min_replicas: {{ $low }}
+          initial_replicas: {{ $low }}
+          max_replicas: {{ $high }}
+          target_ongoing_requests: {{ max 1 (div (int .) 2) }}
+        {{- end }}
+      - name: Verifier
+        max_ongoing_requests: {{ add . $headroom }}
+        {{- end }}
 {{- end -}}
 
-{{/* Volumes and mounts both Ray containers need: the config file and writable scratch space
-(the root filesystem is read-only). */}}
+{{/* Volumes and mounts both Ray containers need: writable scratch space (the root filesystem is
+read-only). */}}
 {{- define "dflash-serve.commonVolumes" -}}
-- name: dflash-config
-  configMap:
-    name: {{ include "dflash-serve.fullname" . }}-config
 - name: tmp
   emptyDir:
     sizeLimit: {{ .Values.pods.scratch.tmpSizeLimit }}
@@ -100,9 +123,6 @@ applications:
 {{- end -}}
 
 {{- define "dflash-serve.commonMounts" -}}
-- name: dflash-config
-  mountPath: /etc/dflash
-  readOnly: true
 # Ray's session directory (/tmp/ray), and compiler caches (Triton, torch) under HOME.
 - name: tmp
   mountPath: /tmp
@@ -119,8 +139,6 @@ applications:
 {{- end -}}
 
 {{- define "dflash-serve.commonEnv" -}}
-- name: DFLASH_CONFIG
-  value: {{ include "dflash-serve.configPath" . }}
 - name: HOME
   value: /home/dflash
 {{- with .Values.pods.extraEnv }}
