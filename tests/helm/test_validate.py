@@ -20,8 +20,9 @@ from tests.helm.kube_schemas import KUBERAY_CRDS, crd_errors
 # The chart's kubeVersion floor and the newest release kubernetes-validate knows.
 KUBE_VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
 CORE_KINDS = {"ConfigMap", "Service", "PersistentVolumeClaim", "Pod", "PodDisruptionBudget", "NetworkPolicy"}
-# Checked against their CRDs below (RayService) or field by field in test_render (monitors).
-CUSTOM_KINDS = {"RayService", "PodMonitor", "ServiceMonitor"}
+# Checked against their CRDs below (RayService) or field by field in test_render (monitors) and
+# test_prometheus_rule.
+CUSTOM_KINDS = {"RayService", "PodMonitor", "ServiceMonitor", "PrometheusRule"}
 
 needs_crds = pytest.mark.skipif(
     not KUBERAY_CRDS.is_dir(),

@@ -28,6 +28,9 @@ BAD_VALUES = [
      ["/securityContext/allowPrivilegeEscalation", "must be false"]),
     ({"head": {"resources": {"limits": {"cpu": "lots", "memory": "8Gi"}}}}, ["/head/resources/limits/cpu", "'lots'"]),
     ({"ports": {"grpc": 70000}}, ["/ports/grpc", "maximum"]),
+    ({"prometheusRule": {"alerts": {"kvCacheUsage": {"above": 95}}}},
+     ["/prometheusRule/alerts/kvCacheUsage/above", "maximum"]),
+    ({"prometheusRule": {"interval": "30 seconds"}}, ["/prometheusRule/interval", "does not match pattern"]),
 ]
 
 
