@@ -100,3 +100,12 @@ def test_thresholds_come_from_values_and_alerts_can_be_left_out():
     assert found["DFlashQueueGrowing"]["labels"] == {"severity": "page", "team": "llm"}
     only_recording = rules({"prometheusRule": {"enabled": True, "alerts": {"enabled": False}}})
     assert all("record" in r for r in only_recording)
+
+
+def test_notes_say_what_the_rules_need():
+    notes = render({"prometheusRule": {"enabled": True}}).notes
+    assert "records them under vLLM's names (vllm:*) and alerts." in notes
+    assert "scrape with it (or a monitor that adds the same labels)" in notes
+    monitored = render({"prometheusRule": {"enabled": True}, "metrics": {"monitor": {"enabled": True}}}).notes
+    assert "vllm:*" in monitored and "scrape with it" not in monitored
+    assert "vllm:*" not in render({}).notes
