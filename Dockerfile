@@ -46,7 +46,9 @@ RUN python3 -m venv /opt/venv \
         jinja2==3.1.6 \
         gguf==0.19.0 \
         accelerate==1.15.0 \
-        matplotlib==3.11.2
+        matplotlib==3.11.2 \
+        httpx==0.28.1 \
+        prometheus-client==0.26.0
 
 # The project itself, with its committed gRPC stubs (services/api): the Serve proxy imports them
 # from the image, outside any runtime env. --no-deps: everything it needs is pinned above, and

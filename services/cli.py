@@ -207,47 +207,120 @@ def _fetch_default(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    import grpc
+def _bench_loads(args: argparse.Namespace) -> list:
+    from services.bench.serve_bench import Load
 
-    from services.bench.prompts import load_prompts
-    from services.bench.serve_bench import BenchSampling, EmbeddedBackend, GrpcBackend, run_bench, write_report
+    def numbers(text: str, kind, flag: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",")]
+        except ValueError:
+            raise ValueError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+
+    if args.request_rate is None:
+        if args.max_concurrency is not None:
+            raise ValueError("--max-concurrency bounds an open loop: give --request-rate too (or use --concurrency)")
+        return [Load(concurrency=c) for c in numbers(args.concurrency or "1,8,32", int, "--concurrency")]
+    if args.concurrency is not None:
+        raise ValueError("--concurrency is the closed loop; with --request-rate, bound it with --max-concurrency")
+    return [Load(concurrency=args.max_concurrency, request_rate=rate, seed=args.seed or 0)
+            for rate in numbers(args.request_rate, float, "--request-rate")]
+
+
+def _bench_prompt_sets(args: argparse.Namespace, setup: dict, tokenizer) -> dict:
+    from services.bench.prompts import load_prompts, random_prompts
+
+    sets = {}
+    for name in args.dataset.split(","):
+        if name == "random":
+            if "vocab_size" not in setup:
+                raise ValueError("the random set draws token ids from the model's vocabulary: with --backend openai "
+                                 "give --tokenizer (the served model's tokenizer folder or hub id)")
+            decode = tokenizer.decode if tokenizer is not None else None
+            sets[name] = random_prompts(args.num_prompts, args.input_len, args.output_len, setup["vocab_size"],
+                                        seed=args.seed or 0, decode=decode)
+        else:
+            sets[name] = load_prompts(name, args.data_dir, args.num_prompts)
+    return sets
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import os
+
+    import grpc
+    import httpx
+
+    from services.bench.serve_bench import (
+        BenchSampling,
+        EmbeddedBackend,
+        GrpcBackend,
+        OpenAIBackend,
+        run_bench,
+        write_report,
+    )
     from services.models import CheckpointError, TargetLoadError
     from services.models.default_pair import DefaultPairError
 
+    tokenizer, base_url = None, args.base_url or "http://127.0.0.1:8000"
     try:
-        concurrencies = [int(c) for c in args.concurrency.split(",")]
-        if min(concurrencies) < 1 or args.num_prompts < 1:
-            raise ValueError("--concurrency levels and --num-prompts must be positive")
-        if not args.embedded and (args.target or args.drafter):
-            raise ValueError("--target and --drafter go with --embedded; a server benchmarks the models it serves")
-        prompt_sets = {name: load_prompts(name, args.data_dir, args.num_prompts) for name in args.dataset.split(",")}
-        if args.embedded:
+        if args.num_prompts < 1:
+            raise ValueError("--num-prompts must be positive")
+        loads = _bench_loads(args)
+        named = [name for name in args.dataset.split(",") if name != "random"]
+        if named and args.data_dir is None:
+            raise ValueError(f"prompt set {named[0]!r} is read from files: give --data-dir, the folder holding "
+                             "them (README, 'Benchmark prompt sets', lists them and where they come from), or use "
+                             "--dataset random")
+        if args.backend != "embedded" and (args.target or args.drafter):
+            raise ValueError("--target and --drafter go with --backend embedded; a server benchmarks the models "
+                             "it serves")
+        openai_only = [args.base_url, args.tokenizer, args.metrics_url, args.model,
+                       args.endpoint != OpenAIBackend.ENDPOINTS[0]]
+        if args.backend != "openai" and any(openai_only):
+            raise ValueError("--base-url, --endpoint, --model, --tokenizer and --metrics-url go with --backend openai")
+        if args.backend == "embedded":
             from services.config import EngineConfig
             from services.engine.loader import build_engine
             from services.models.default_pair import resolve_pair
 
             target, drafter = resolve_pair(args.target, args.drafter)
+            most = max(load.concurrency or args.num_prompts for load in loads)
             engine = build_engine(EngineConfig(target=target, drafter=drafter, device=args.device, dtype=args.dtype,
-                                               max_num_seqs=max(concurrencies), cuda_graphs=not args.eager,
+                                               max_num_seqs=most, cuda_graphs=not args.eager,
                                                target_impl=args.target_impl,
                                                async_scheduling=not args.sync_rounds))
             backend = EmbeddedBackend(engine)
+        elif args.backend == "openai":
+            if args.tokenizer:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+            backend = OpenAIBackend(base_url, endpoint=args.endpoint,
+                                    model=args.model, api_key=os.environ.get("OPENAI_API_KEY"),
+                                    metrics_url=args.metrics_url, tokenizer=tokenizer, timeout=args.timeout)
         else:
             backend = GrpcBackend(args.address, timeout=args.timeout)
         setup = backend.describe()
-    except (ValueError, CheckpointError, TargetLoadError, DefaultPairError) as err:
+        # Token prompts go as ids everywhere but in chat messages, which need their text.
+        chat = args.backend == "openai" and backend.chat
+        prompt_sets = _bench_prompt_sets(args, setup, tokenizer if chat else None)
+    except (ValueError, OSError, CheckpointError, TargetLoadError, DefaultPairError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except grpc.RpcError as err:
         print(f"error: no dflash server answers at {args.address}: {err.code().name}: {err.details()}", file=sys.stderr)
         return 2
+    except httpx.HTTPError as err:
+        print(f"error: no OpenAI-compatible server answers at {base_url}: {err}", file=sys.stderr)
+        return 2
     sampling = BenchSampling(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                              ignore_eos=args.ignore_eos)
-    runs = run_bench(backend, prompt_sets, concurrencies, sampling, warmup=args.warmup)
-    setup.update(datasets=list(prompt_sets), num_prompts=args.num_prompts, concurrency=concurrencies,
+    runs = run_bench(backend, prompt_sets, loads, sampling, warmup=args.warmup)
+    setup.update(datasets=list(prompt_sets), num_prompts=args.num_prompts,
+                 loads=[load.describe() for load in loads],
                  warmup=args.warmup, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                  ignore_eos=args.ignore_eos)
+    if "random" in prompt_sets:
+        setup.update(input_len=args.input_len, output_len=args.output_len)
     paths = write_report(args.out, setup, runs)
     print(paths[1].read_text())
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
@@ -334,32 +407,52 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "$DFLASH_CACHE or ~/.cache/dflash-serve")
     fetch.set_defaults(run=_fetch_default)
 
-    from services.bench.prompts import DEFAULT_DATA_DIR
-
-    bench = sub.add_parser("bench", help="load-test a server (or the embedded engine): tok/s, TTFT, TPOT, ITL, "
-                                         "tau and acceptance per concurrency level and prompt set")
-    where = bench.add_mutually_exclusive_group(required=True)
-    where.add_argument("--address", help="HOST:PORT of a dflash gRPC server")
-    where.add_argument("--embedded", action="store_true", help="run the engine in this process")
-    bench.add_argument("--target", help="--embedded: target (omit both --target and --drafter: the default pair)")
-    bench.add_argument("--drafter", help="--embedded: drafter; 'none': target-only")
+    bench = sub.add_parser("bench", help="load-test a server (gRPC or OpenAI HTTP) or the embedded engine: tok/s, "
+                                         "TTFT, TPOT, ITL, tau and acceptance per load and prompt set; results "
+                                         "also under vLLM bench's keys")
+    bench.add_argument("--backend", choices=["grpc", "openai", "embedded"], default="grpc",
+                       help="grpc: dflash.v1 at --address; openai: streaming /v1/completions or /v1/chat/completions "
+                            "at --base-url (ours or vLLM's); embedded: the engine in this process")
+    bench.add_argument("--embedded", action="store_const", dest="backend", const="embedded",
+                       help="the same as --backend embedded")
+    bench.add_argument("--address", default="127.0.0.1:9000", help="grpc: HOST:PORT of a dflash server")
+    bench.add_argument("--base-url", help="openai: the server's URL (default http://127.0.0.1:8000)")
+    bench.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
+                       help="openai: completions send the prompt as is, chat completions as a user message")
+    bench.add_argument("--model", help="openai: the model to ask for (default: the first of /v1/models); "
+                                       "the API key, if any, is read from OPENAI_API_KEY")
+    bench.add_argument("--tokenizer", help="openai: the served model's tokenizer (folder or hub id), for the random "
+                                           "set's vocabulary (and its text, for chat completions)")
+    bench.add_argument("--metrics-url", help="openai: the server's Prometheus endpoint (ours: a Ray node's "
+                                             "metrics port, http://HOST:8080/metrics; vLLM's: BASE_URL/metrics), read "
+                                             "before and after each run for tau and acceptance")
+    bench.add_argument("--target", help="embedded: target (omit both --target and --drafter: the default pair)")
+    bench.add_argument("--drafter", help="embedded: drafter; 'none': target-only")
     bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     bench.add_argument("--dtype", default="auto")
     bench.add_argument("--target-impl", default="auto", choices=TARGET_IMPLS, help=TARGET_IMPL_HELP)
-    bench.add_argument("--eager", action="store_true", help="--embedded: no CUDA graphs")
-    bench.add_argument("--sync-rounds", action="store_true", help="--embedded: " + SYNC_ROUNDS_HELP)
-    bench.add_argument("--dataset", default="humaneval,gsm8k",
-                       help="comma-separated: humaneval, gsm8k, math500, mbpp, alpaca, spec-bench, "
-                            "spec-bench/{translation,summarization,qa,math_reasoning,rag}")
-    bench.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    bench.add_argument("--eager", action="store_true", help="embedded: no CUDA graphs")
+    bench.add_argument("--sync-rounds", action="store_true", help="embedded: " + SYNC_ROUNDS_HELP)
+    bench.add_argument("--dataset", default="random",
+                       help="comma-separated: random (--input-len token ids drawn from the vocabulary, "
+                            "--output-len tokens asked), or a set read from --data-dir: humaneval, gsm8k, math500, "
+                            "mbpp, alpaca, spec-bench, spec-bench/{translation,summarization,qa,math_reasoning,rag}")
+    bench.add_argument("--data-dir", help="the folder holding the named sets' files (README: 'Benchmark prompt "
+                                          "sets' lists them and where they come from)")
+    bench.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens")
+    bench.add_argument("--output-len", type=int, default=128, help="random: tokens asked for (over --max-tokens)")
     bench.add_argument("--num-prompts", type=int, default=32, help="per prompt set (cycled when the set is smaller)")
-    bench.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
+    bench.add_argument("--concurrency", help="closed loop: comma-separated levels of clients, each sending its next "
+                                             "request when its last one ends (default 1,8,32)")
+    bench.add_argument("--request-rate", help="open loop: comma-separated request rates per second (Poisson "
+                                              "arrivals; inf: all at once), as vLLM's bench")
+    bench.add_argument("--max-concurrency", type=int, help="open loop: at most this many requests in flight")
     bench.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each run")
     bench.add_argument("--max-tokens", type=int, default=256)
     bench.add_argument("--temperature", type=float, default=0.0)
-    bench.add_argument("--seed", type=int, help="request i gets seed + i")
-    bench.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    bench.add_argument("--timeout", type=float, default=600.0, help="per request, seconds (gRPC)")
+    bench.add_argument("--seed", type=int, help="request i gets seed + i; also seeds the random set and arrivals")
+    bench.add_argument("--ignore-eos", action="store_true", help="always generate the tokens asked for")
+    bench.add_argument("--timeout", type=float, default=600.0, help="per request, seconds (grpc, openai)")
     bench.add_argument("--out", default="bench-results", help="folder for results.json, results.md, results.png")
     bench.set_defaults(run=_bench)
 

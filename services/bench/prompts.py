@@ -1,8 +1,10 @@
-"""Benchmark prompt sets in DFlash's own formats, read from local files (`../shared/bench-data`).
+"""Benchmark prompt sets: DFlash's own, read from local files in their published formats (the
+folder is named by `--data-dir`; README, "Benchmark prompt sets", lists the files and where they
+come from), and `random` token prompts of a fixed length, as vLLM's bench draws them.
 
-Each prompt is one user message; the server (or the embedded bench) renders it with the target's
-chat template and `add_generation_prompt=True`, as DFlash's benchmark does. Only the first turn of
-multi-turn sets is used, as in DFlash's server benchmark.
+Each prompt of a named set is one user message; the server (or the embedded bench) renders it with
+the target's chat template and `add_generation_prompt=True`, as DFlash's benchmark does. Only the
+first turn of multi-turn sets is used, as in DFlash's server benchmark.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 DEFAULT_DATA_DIR = "../shared/bench-data"
 REASON_STEP_BY_STEP = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -27,7 +31,9 @@ SPEC_BENCH_CATEGORIES = ("translation", "summarization", "qa", "math_reasoning",
 class Prompt:
     dataset: str
     id: str
-    text: str  # the user message
+    text: str  # the user message ("" for token prompts a backend cannot render as text)
+    token_ids: tuple[int, ...] | None = None  # sent as is, no chat template (the random set)
+    max_tokens: int | None = None  # this prompt's output length, over the run's --max-tokens
 
 
 def _records(path: Path) -> Iterator[dict]:
@@ -86,11 +92,27 @@ def load_prompts(name: str, data_dir: str | Path = DEFAULT_DATA_DIR, limit: int 
     try:
         rows = LOADERS[name](data_dir)
     except FileNotFoundError as err:
-        raise ValueError(f"{err.filename} not found: point --data-dir at the bench-data folder "
-                         f"(default {DEFAULT_DATA_DIR}, relative to the working directory)") from None
+        raise ValueError(f"{err.filename} not found: --data-dir names the folder with the prompt set's files "
+                         "(README, 'Benchmark prompt sets', lists them and where they come from)") from None
     prompts = [Prompt(name, id_, text) for id_, text in rows]
     if not prompts:
         raise ValueError(f"prompt set {name!r} is empty in {data_dir}")
     if limit is None:
         return prompts
     return [prompts[i % len(prompts)] for i in range(limit)]
+
+
+def random_prompts(num_prompts: int, input_len: int, output_len: int, vocab_size: int, seed: int = 0,
+                   decode: Callable[[list[int]], str] | None = None) -> list[Prompt]:
+    """`num_prompts` prompts of `input_len` token ids drawn uniformly from the vocabulary, each asking
+    for `output_len` tokens (vLLM bench's `random` set, without its length spread). `decode` gives
+    each its text, for backends that send text (chat messages)."""
+    if min(num_prompts, input_len, output_len) < 1:
+        raise ValueError("--num-prompts, --input-len and --output-len must be positive")
+    if vocab_size < 1:
+        raise ValueError("the random prompt set needs the model's vocabulary size")
+    rows = np.random.default_rng(seed).integers(0, vocab_size, size=(num_prompts, input_len))
+    prompts = []
+    for i, row in enumerate(rows.tolist()):
+        prompts.append(Prompt("random", str(i), decode(row) if decode else "", tuple(row), output_len))
+    return prompts

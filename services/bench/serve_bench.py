@@ -1,17 +1,23 @@
-"""`dflash bench`: a closed-loop load generator against the gRPC server or the embedded engine.
+"""`dflash bench`: a load generator against the gRPC server, an OpenAI-compatible HTTP server
+(ours or vLLM's), or the embedded engine, like `vllm bench serve`.
 
-For each concurrency level and prompt set, `concurrency` clients each send their next request as
-soon as their last one ends (after `warmup` requests that are not measured), streaming every
-response. Reported per run (see `summarize`):
+For each load and prompt set: `warmup` unmeasured requests, then every prompt of the set, each
+response streamed. A load is closed-loop (`concurrency` clients each send their next request as
+soon as their last one ends) or open-loop (requests arrive as a Poisson process of `request_rate`
+per second, inf: all at once, with at most `concurrency` in flight when given), as vLLM's bench
+sends them. Reported per run (see `summarize`), under our keys and under vLLM bench's:
 
 - output tok/s: completion tokens of successful requests / wall time of the run;
-- TTFT (request sent -> first token), TPOT ((last token - first token) / (tokens - 1), per request)
-  and ITL (inter-token latency: a message's gap since the previous one, spread over its tokens,
-  as the server's own metric does; the tokens of one speculative round arrive together): mean,
-  median and p99, in ms;
+- TTFT (request sent -> first token), TPOT ((last token - first token) / (tokens - 1), per request),
+  ITL (inter-token latency: a message's gap since the previous one, spread over its tokens, as the
+  server's own metric does; the tokens of one speculative round arrive together; over HTTP, where a
+  chunk does not say how many tokens it holds, one gap per chunk, as vLLM's bench measures it) and
+  end-to-end latency: mean, median, std and p99, in ms;
 - τ (1 + accepted drafts / rounds, pooled over the run's rounds; includes the bonus token),
   acceptance rate (accepted / drafted tokens), acceptance per draft position (fraction of rounds
-  whose draft at that position was accepted), from each request's final spec_stats;
+  whose draft at that position was accepted): from each request's final spec_stats (gRPC,
+  embedded), or over HTTP from the server's Prometheus counters before and after the run
+  (`--metrics-url`, as vLLM's bench reads its server's /metrics);
 - failed requests, by status code.
 
 Results go to DIR/results.json, DIR/results.md and DIR/results.png.
@@ -21,10 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +50,41 @@ class BenchSampling:
     def request_seed(self, index: int) -> int | None:
         return None if self.seed is None else self.seed + index
 
+    def max_tokens_for(self, prompt: Prompt) -> int:
+        return prompt.max_tokens or self.max_tokens
+
+
+@dataclass(frozen=True)
+class Load:
+    """Closed loop (request_rate None): `concurrency` clients, each sending its next request when
+    its last one ends. Open loop: Poisson arrivals at `request_rate` per second (inf: all at once),
+    at most `concurrency` requests in flight (None: no bound), as vLLM's --max-concurrency."""
+
+    concurrency: int | None = 1
+    request_rate: float | None = None
+    seed: int = 0  # of the arrival times
+
+    def __post_init__(self):
+        if self.request_rate is None and not self.concurrency:
+            raise ValueError("a closed-loop load needs a concurrency")
+        if self.request_rate is not None and not self.request_rate > 0:
+            raise ValueError(f"--request-rate must be positive (inf: all at once), got {self.request_rate}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency must be positive, got {self.concurrency}")
+
+    def arrival_offsets(self, count: int) -> list[float]:
+        """Seconds from the run's start at which each request is due (the first at once)."""
+        if self.request_rate == math.inf:
+            return [0.0] * count
+        gaps = np.random.default_rng(self.seed).exponential(1.0 / self.request_rate, size=count)
+        return np.concatenate([[0.0], np.cumsum(gaps[:-1])]).tolist() if count else []
+
+    def describe(self) -> str:
+        if self.request_rate is None:
+            return f"c={self.concurrency}"
+        cap = f", max {self.concurrency} in flight" if self.concurrency else ""
+        return f"rate={self.request_rate:g}/s{cap}"
+
 
 @dataclass
 class RequestRecord:
@@ -51,6 +93,8 @@ class RequestRecord:
     start: float
     # (arrival time, token count) of each streamed message that carried tokens.
     arrivals: list[tuple[float, int]] = field(default_factory=list)
+    end: float | None = None  # the stream ended
+    input_tokens: int = 0
     output_tokens: int = 0
     rounds: int = 0
     draft_tokens: int = 0
@@ -72,6 +116,10 @@ class RequestRecord:
             return None
         return (self.arrivals[-1][0] - self.arrivals[0][0]) / (self.output_tokens - 1)
 
+    @property
+    def latency(self) -> float | None:
+        return None if self.end is None else self.end - self.start
+
     def itls(self) -> list[float]:
         gaps = []
         for (before, _), (now, count) in zip(self.arrivals, self.arrivals[1:]):
@@ -84,44 +132,120 @@ class RequestRecord:
 
 def distribution_ms(seconds: Sequence[float]) -> dict:
     if not seconds:
-        return {"mean": None, "median": None, "p99": None}
+        return {"mean": None, "median": None, "std": None, "p99": None}
     ms = 1e3 * np.asarray(seconds, dtype=np.float64)
-    return {"mean": float(ms.mean()), "median": float(np.median(ms)), "p99": float(np.percentile(ms, 99))}
+    return {"mean": float(ms.mean()), "median": float(np.median(ms)), "std": float(ms.std()),
+            "p99": float(np.percentile(ms, 99))}
 
 
-def summarize(records: Sequence[RequestRecord], duration: float) -> dict:
-    """The run's metrics; speculation counters are pooled over the successful requests' rounds."""
+@dataclass(frozen=True)
+class SpecCounters:
+    """Speculative-decoding counts of a run: rounds with drafts, drafted and accepted tokens, and
+    accepted tokens by draft position."""
+
+    drafts: float = 0.0
+    draft_tokens: float = 0.0
+    accepted: float = 0.0
+    per_position: tuple[float, ...] = ()
+
+    def __sub__(self, before: SpecCounters) -> SpecCounters:
+        positions = max(len(self.per_position), len(before.per_position))
+
+        def at(counts, j):
+            return counts[j] if j < len(counts) else 0.0
+
+        return SpecCounters(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
+                            self.accepted - before.accepted,
+                            tuple(at(self.per_position, j) - at(before.per_position, j) for j in range(positions)))
+
+
+def _peaks(records: Sequence[RequestRecord]) -> tuple[float, int]:
+    """vLLM's max_output_tokens_per_s (tokens arrived in the busiest whole second of the run) and
+    max_concurrent_requests (most requests in flight at once)."""
+    if not records:
+        return 0.0, 0
+    origin = min(r.start for r in records)
+    per_second = Counter()
+    for r in records:
+        for at, count in r.arrivals:
+            per_second[int(at - origin)] += count
+    edges = sorted([(r.start, 1) for r in records if r.end is not None] +
+                   [(r.end, -1) for r in records if r.end is not None])
+    in_flight = most = 0
+    for _, step in edges:
+        in_flight += step
+        most = max(most, in_flight)
+    return float(max(per_second.values(), default=0)), most
+
+
+def summarize(records: Sequence[RequestRecord], duration: float, server_spec: SpecCounters | None = None) -> dict:
+    """The run's metrics, under our keys and vLLM bench's. Speculation counters are pooled over the
+    successful requests' rounds, or are the server's (`server_spec`) where requests carry none."""
     ok = [r for r in records if r.error is None]
+    input_tokens = sum(r.input_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
-    rounds = sum(r.rounds for r in ok)
-    drafted = sum(r.draft_tokens for r in ok)
-    accepted = sum(r.accepted_tokens for r in ok)
-    per_request = [1 + r.accepted_tokens / r.rounds for r in ok if r.rounds]
-    per_position = [0] * max((len(r.accepted_per_position) for r in ok), default=0)
-    for r in ok:
-        for j, count in enumerate(r.accepted_per_position):
-            per_position[j] += count
-    return {
-        "requests": len(records),
+    if server_spec is None:
+        per_position = [0] * max((len(r.accepted_per_position) for r in ok), default=0)
+        for r in ok:
+            for j, count in enumerate(r.accepted_per_position):
+                per_position[j] += count
+        spec = SpecCounters(sum(r.rounds for r in ok), sum(r.draft_tokens for r in ok),
+                            sum(r.accepted_tokens for r in ok), tuple(per_position))
+        per_request = [1 + r.accepted_tokens / r.rounds for r in ok if r.rounds]
+    else:
+        spec, per_request = server_spec, []
+    rounds, drafted, accepted = spec.drafts, spec.draft_tokens, spec.accepted
+    per_second = (lambda total: total / duration) if duration > 0 else (lambda total: 0.0)
+    latencies = {
+        "ttft": distribution_ms([r.ttft for r in ok if r.ttft is not None]),
+        "tpot": distribution_ms([r.tpot for r in ok if r.tpot is not None]),
+        "itl": distribution_ms([gap for r in ok for gap in r.itls()]),
+        "e2el": distribution_ms([r.latency for r in ok if r.latency is not None]),
+    }
+    tau = 1 + accepted / rounds if rounds else None
+    acceptance_rate = accepted / drafted if drafted else None
+    acceptance_per_position = [c / rounds for c in spec.per_position] if rounds else []
+    max_tokens_per_s, max_in_flight = _peaks(records)
+    vllm = {
+        "duration": duration,
         "completed": len(ok),
         "failed": len(records) - len(ok),
-        "errors": dict(Counter(r.error for r in records if r.error is not None)),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": per_second(len(ok)),
+        "output_throughput": per_second(output_tokens),
+        "total_token_throughput": per_second(input_tokens + output_tokens),
+        "max_output_tokens_per_s": max_tokens_per_s,
+        "max_concurrent_requests": max_in_flight,
+        **{f"{stat}_{name}_ms": dist[stat] for name, dist in latencies.items()
+           for stat in ("mean", "median", "std", "p99")},
+        "input_lens": [r.input_tokens for r in ok],
+        "output_lens": [r.output_tokens for r in ok],
+        "ttfts": [r.ttft for r in ok],
+        # Target-only serving has no rounds with drafts: the speculation keys do not apply (None).
+        "spec_decode_acceptance_rate": None if acceptance_rate is None else 100 * acceptance_rate,  # %, as vLLM
+        "spec_decode_acceptance_length": tau,
+        "spec_decode_num_drafts": rounds,
+        "spec_decode_draft_tokens": drafted,
+        "spec_decode_accepted_tokens": accepted,
+        "spec_decode_per_position_acceptance_rates": acceptance_per_position,
+    }
+    return {
+        "requests": len(records),
+        "error_codes": dict(Counter(r.error for r in records if r.error is not None)),
         "duration_s": duration,
-        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
         "output_tokens": output_tokens,
-        "output_tok_s": output_tokens / duration if duration > 0 else 0.0,
-        "ttft_ms": distribution_ms([r.ttft for r in ok if r.ttft is not None]),
-        "tpot_ms": distribution_ms([r.tpot for r in ok if r.tpot is not None]),
-        "itl_ms": distribution_ms([gap for r in ok for gap in r.itls()]),
-        # Target-only serving has no rounds with drafts: τ and acceptance do not apply (None).
+        "output_tok_s": per_second(output_tokens),
+        **{f"{name}_ms": dist for name, dist in latencies.items()},
         "rounds": rounds,
-        "tau": 1 + accepted / rounds if rounds else None,
+        "tau": tau,
         # DFlash's own benchmark script (spec §3.1) averages each request's τ instead; short answers
         # weigh as much as long ones, so it reads higher where they accept more.
         "tau_per_request": statistics.fmean(per_request) if per_request else None,
-        "acceptance_rate": accepted / drafted if drafted else None,
-        "accepted_per_position": per_position,
-        "acceptance_per_position": [c / rounds for c in per_position] if rounds else [],
+        "acceptance_rate": acceptance_rate,
+        "accepted_per_position": list(spec.per_position),
+        "acceptance_per_position": acceptance_per_position,
+        **vllm,
     }
 
 
@@ -141,34 +265,45 @@ class EmbeddedBackend:
     def describe(self) -> dict:
         cfg = self.engine.config
         return {"backend": "embedded", "target": cfg.target, "drafter": cfg.drafter or "",
-                "block_size": self.engine.block_size, "device": str(self.engine.device)}
+                "block_size": self.engine.block_size, "device": str(self.engine.device),
+                "vocab_size": self.engine.vocab_size}
 
-    def _prompt_ids(self, text: str) -> list[int]:
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if prompt.token_ids is not None:
+            return list(prompt.token_ids)
         tok = self.engine.tokenizer
         if tok.chat_template:
-            return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False))
-        return tok.encode(text)
+            return list(tok.apply_chat_template([{"role": "user", "content": prompt.text}],
+                                                add_generation_prompt=True, tokenize=True, return_dict=False))
+        return tok.encode(prompt.text)
 
-    def run(self, prompts: Sequence[Prompt], sampling: BenchSampling, concurrency: int,
+    def run(self, prompts: Sequence[Prompt], sampling: BenchSampling, load: Load,
             progress: Progress = lambda: None) -> list[RequestRecord]:
         from services.engine.sampling import SamplingParams
         from services.engine.stopping import FinishReason
 
         engine, records, active = self.engine, [], {}
-        queue = list(enumerate(prompts))[::-1]  # popped from the end: in order
-        while queue or active:
-            while queue and len(active) < concurrency:
-                index, prompt = queue.pop()
-                params = SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_tokens,
-                                        seed=sampling.request_seed(index), ignore_eos=sampling.ignore_eos)
+        due = load.arrival_offsets(len(prompts)) if load.request_rate is not None else [0.0] * len(prompts)
+        cap = load.concurrency or len(prompts)
+        start, sent = time.perf_counter(), 0
+        while sent < len(prompts) or active:
+            now = time.perf_counter()
+            while sent < len(prompts) and len(active) < cap and start + due[sent] <= now:
+                prompt = prompts[sent]
+                params = SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_tokens_for(prompt),
+                                        seed=sampling.request_seed(sent), ignore_eos=sampling.ignore_eos)
                 record = RequestRecord(start=time.perf_counter())
                 records.append(record)
+                sent += 1
                 try:
-                    active[engine.add_request(self._prompt_ids(prompt.text), params)] = record
+                    active[engine.add_request(self._prompt_ids(prompt), params)] = record
                 except ValueError:  # what the server answers with INVALID_ARGUMENT
                     record.error = "INVALID_ARGUMENT"
                     progress()
+            if not active:
+                if sent < len(prompts):  # open loop, idle until the next arrival
+                    time.sleep(max(0.0, start + due[sent] - time.perf_counter()))
+                continue
             outputs = engine.step()
             now = time.perf_counter()
             for out in outputs:
@@ -179,7 +314,8 @@ class EmbeddedBackend:
                 if out.finished:
                     del active[out.request_id]
                     engine.release(out.request_id)
-                    record.output_tokens = out.num_output_tokens
+                    record.end = now
+                    record.input_tokens, record.output_tokens = out.num_prompt_tokens, out.num_output_tokens
                     if out.finish_reason is FinishReason.ERROR:
                         record.error = "INTERNAL"
                     _take_stats(record, out.stats.rounds, out.stats.draft_tokens, out.stats.accepted_tokens,
@@ -188,8 +324,41 @@ class EmbeddedBackend:
         return records
 
 
+async def _drive(prompts: Sequence[Prompt], load: Load, send: Callable[[int, Prompt], Awaitable[RequestRecord]],
+                 progress: Progress) -> list[RequestRecord]:
+    """Sends every prompt through `send` (which streams one request and returns its record) under
+    the load: closed-loop clients, or Poisson arrivals with at most `concurrency` in flight."""
+    records: list[RequestRecord] = []
+
+    async def one(index: int, prompt: Prompt) -> None:
+        records.append(await send(index, prompt))
+        progress()
+
+    if load.request_rate is None:
+        queue = list(enumerate(prompts))[::-1]  # popped from the end: in order
+
+        async def client() -> None:
+            while queue:
+                await one(*queue.pop())
+
+        await asyncio.gather(*(client() for _ in range(load.concurrency)))
+        return records
+    in_flight = asyncio.Semaphore(load.concurrency or len(prompts) or 1)
+
+    async def bounded(index: int, prompt: Prompt) -> None:
+        async with in_flight:  # the request's clock starts when it is sent, as in vLLM's bench
+            await one(index, prompt)
+
+    start, tasks = time.perf_counter(), []
+    for index, (prompt, due) in enumerate(zip(prompts, load.arrival_offsets(len(prompts)))):
+        await asyncio.sleep(max(0.0, start + due - time.perf_counter()))
+        tasks.append(asyncio.create_task(bounded(index, prompt)))
+    await asyncio.gather(*tasks)
+    return records
+
+
 class GrpcBackend:
-    """Streams `dflash.v1.Generation/Generate` calls over one channel, `concurrency` at a time."""
+    """Streams `dflash.v1.Generation/Generate` calls over one channel."""
 
     def __init__(self, address: str, timeout: float = 600.0):
         self.address = address
@@ -200,38 +369,35 @@ class GrpcBackend:
 
         info = model_info(self.address, timeout=10)
         return {"backend": "grpc", "address": self.address, "target": info.target, "drafter": info.drafter,
-                "block_size": info.block_size, "topology": info.topology}
+                "block_size": info.block_size, "topology": info.topology, "vocab_size": info.vocab_size}
 
-    def run(self, prompts: Sequence[Prompt], sampling: BenchSampling, concurrency: int,
+    def run(self, prompts: Sequence[Prompt], sampling: BenchSampling, load: Load,
             progress: Progress = lambda: None) -> list[RequestRecord]:
-        return asyncio.run(self._run(prompts, sampling, concurrency, progress))
+        return asyncio.run(self._run(prompts, sampling, load, progress))
 
-    async def _run(self, prompts, sampling, concurrency, progress) -> list[RequestRecord]:
+    async def _run(self, prompts, sampling, load, progress) -> list[RequestRecord]:
         import grpc
 
         from services.api.dflash.v1 import generation_pb2_grpc
         from services.client import build_request
 
-        records: list[RequestRecord] = []
-        queue = list(enumerate(prompts))[::-1]
         async with grpc.aio.insecure_channel(self.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
 
-            async def client() -> None:
-                while queue:
-                    index, prompt = queue.pop()
-                    params = {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
-                              "ignore_eos": sampling.ignore_eos}
-                    if sampling.seed is not None:
-                        params["seed"] = sampling.request_seed(index)
+            async def send(index: int, prompt: Prompt) -> RequestRecord:
+                params = {"max_tokens": sampling.max_tokens_for(prompt), "temperature": sampling.temperature,
+                          "ignore_eos": sampling.ignore_eos}
+                if sampling.seed is not None:
+                    params["seed"] = sampling.request_seed(index)
+                if prompt.token_ids is not None:
+                    request = build_request(token_ids=prompt.token_ids, sampling=params)
+                else:
                     request = build_request(chat=[{"role": "user", "content": prompt.text}], sampling=params)
-                    record = RequestRecord(start=time.perf_counter())
-                    records.append(record)
-                    await self._one(stub, request, record)
-                    progress()
+                record = RequestRecord(start=time.perf_counter())
+                await self._one(stub, request, record)
+                return record
 
-            await asyncio.gather(*(client() for _ in range(concurrency)))
-        return records
+            return await _drive(prompts, load, send, progress)
 
     async def _one(self, stub, request, record: RequestRecord) -> None:
         import grpc
@@ -243,13 +409,160 @@ class GrpcBackend:
                 last = response
         except grpc.aio.AioRpcError as err:
             record.error = err.code().name
+        record.end = time.perf_counter()
         if record.error is None and (last is None or not last.HasField("usage")):
             record.error = "INCOMPLETE"  # the stream ended without its final message
         if record.error is None:
             stats = last.spec_stats
-            record.output_tokens = last.usage.completion_tokens
+            record.input_tokens, record.output_tokens = last.usage.prompt_tokens, last.usage.completion_tokens
             _take_stats(record, stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
                         stats.accepted_per_position)
+
+
+# Speculative-decoding counters in a Prometheus scrape: vLLM's names, or ours as Ray exports them.
+SPEC_COUNTER_NAMES = {
+    "drafts": ("vllm:spec_decode_num_drafts_total", "ray_dflash_spec_decode_num_drafts_total"),
+    "draft_tokens": ("vllm:spec_decode_num_draft_tokens_total", "ray_dflash_spec_decode_num_draft_tokens_total"),
+    "accepted": ("vllm:spec_decode_num_accepted_tokens_total", "ray_dflash_spec_decode_num_accepted_tokens_total"),
+    "per_position": ("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                     "ray_dflash_spec_decode_num_accepted_tokens_per_pos_total"),
+}
+
+
+def parse_spec_counters(text: str) -> SpecCounters:
+    """The speculative-decoding counters of a Prometheus text scrape, summed over every series
+    (replicas, models); per-position counts by their `position` label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {key: 0.0 for key in ("drafts", "draft_tokens", "accepted")}
+    per_position: dict[int, float] = {}
+    key_of = {name: key for key, names in SPEC_COUNTER_NAMES.items() for name in names}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = key_of.get(sample.name)
+            if key == "per_position":
+                position = int(sample.labels["position"])
+                per_position[position] = per_position.get(position, 0.0) + sample.value
+            elif key is not None:
+                totals[key] += sample.value
+    positions = tuple(per_position.get(j, 0.0) for j in range(max(per_position, default=-1) + 1))
+    return SpecCounters(totals["drafts"], totals["draft_tokens"], totals["accepted"], positions)
+
+
+class OpenAIBackend:
+    """Streams OpenAI completions or chat completions over HTTP (SSE), as `vllm bench serve
+    --backend openai` / `openai-chat` does: against our server's HTTP API or vLLM's own."""
+
+    ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+    def __init__(self, base_url: str, endpoint: str = "/v1/completions", model: str | None = None,
+                 api_key: str | None = None, metrics_url: str | None = None, tokenizer=None,
+                 timeout: float = 600.0):
+        if endpoint not in self.ENDPOINTS:
+            raise ValueError(f"--endpoint must be one of {', '.join(self.ENDPOINTS)}, got {endpoint!r}")
+        self.base_url = base_url.rstrip("/")
+        self.endpoint, self.model, self.metrics_url = endpoint, model, metrics_url
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.tokenizer = tokenizer  # optional: the random set's vocabulary, and its text for chat
+        self.timeout = timeout
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint == "/v1/chat/completions"
+
+    def describe(self) -> dict:
+        import httpx
+
+        if self.model is None:  # the server's first model, as vLLM's bench takes it
+            reply = httpx.get(f"{self.base_url}/v1/models", headers=self.headers, timeout=10)
+            reply.raise_for_status()
+            models = reply.json().get("data") or []
+            if not models:
+                raise ValueError(f"{self.base_url}/v1/models lists no model; give --model")
+            self.model = models[0]["id"]
+        setup = {"backend": "openai", "base_url": self.base_url, "endpoint": self.endpoint, "target": self.model,
+                 "drafter": "", "metrics_url": self.metrics_url}
+        if self.tokenizer is not None:
+            setup["vocab_size"] = len(self.tokenizer)
+        return setup
+
+    def spec_counters(self) -> SpecCounters | None:
+        """The server's speculative-decoding counters now (None without --metrics-url)."""
+        if self.metrics_url is None:
+            return None
+        import httpx
+
+        reply = httpx.get(self.metrics_url, timeout=10)
+        reply.raise_for_status()
+        return parse_spec_counters(reply.text)
+
+    def payload(self, index: int, prompt: Prompt, sampling: BenchSampling) -> dict:
+        body = {"model": self.model, "temperature": sampling.temperature, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if self.chat:
+            if not prompt.text:
+                raise ValueError("token prompts go to /v1/completions; for chat, --tokenizer renders them as text")
+            body["messages"] = [{"role": "user", "content": prompt.text}]
+            body["max_completion_tokens"] = sampling.max_tokens_for(prompt)
+        else:
+            body["prompt"] = list(prompt.token_ids) if prompt.token_ids is not None else prompt.text
+            body["max_tokens"] = sampling.max_tokens_for(prompt)
+        if sampling.seed is not None:
+            body["seed"] = sampling.request_seed(index)
+        if sampling.ignore_eos:
+            body["ignore_eos"] = True  # vLLM's extension to the OpenAI API
+        return body
+
+    def run(self, prompts: Sequence[Prompt], sampling: BenchSampling, load: Load,
+            progress: Progress = lambda: None) -> list[RequestRecord]:
+        return asyncio.run(self._run(prompts, sampling, load, progress))
+
+    async def _run(self, prompts, sampling, load, progress) -> list[RequestRecord]:
+        import httpx
+
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=load.concurrency or len(prompts))
+        async with httpx.AsyncClient(base_url=self.base_url, headers=self.headers, limits=limits,
+                                     timeout=httpx.Timeout(self.timeout, connect=10.0)) as client:
+
+            async def send(index: int, prompt: Prompt) -> RequestRecord:
+                body = self.payload(index, prompt, sampling)
+                record = RequestRecord(start=time.perf_counter())
+                try:
+                    await self._one(client, body, record)
+                except httpx.HTTPError as err:
+                    record.error = type(err).__name__  # ConnectError, ReadTimeout, ...
+                record.end = time.perf_counter()
+                return record
+
+            return await _drive(prompts, load, send, progress)
+
+    async def _one(self, client, body: dict, record: RequestRecord) -> None:
+        async with client.stream("POST", self.endpoint, json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                record.error = f"HTTP_{response.status_code}"
+                return
+            usage, done = None, False
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, SSE comments and fields
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:  # an error after the stream began (vLLM sends one as data)
+                    record.error = "STREAM_ERROR"
+                    return
+                for choice in chunk.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
+                    if text:
+                        record.tokens_arrived(time.perf_counter(), 1)  # a chunk does not say its tokens
+                usage = chunk.get("usage") or usage
+        if not done or usage is None:
+            record.error = "INCOMPLETE"  # no [DONE], or no usage although include_usage asked for it
+            return
+        record.input_tokens, record.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
 
 
 def _take_stats(record: RequestRecord, rounds: int, drafted: int, accepted: int, per_position) -> None:
@@ -260,22 +573,30 @@ def _take_stats(record: RequestRecord, rounds: int, drafted: int, accepted: int,
 # -- the benchmark ------------------------------------------------------------------------------
 
 
-def run_bench(backend, prompt_sets: dict[str, list[Prompt]], concurrencies: Sequence[int], sampling: BenchSampling,
+def run_bench(backend, prompt_sets: dict[str, list[Prompt]], loads: Sequence[Load], sampling: BenchSampling,
               warmup: int = 1, show_progress: bool = True) -> list[dict]:
-    """One run per (concurrency, prompt set): `warmup` unmeasured requests at that concurrency,
-    then every prompt of the set. Returns the runs' metrics."""
+    """One run per (load, prompt set): `warmup` unmeasured requests (closed loop), then every
+    prompt of the set under the load. Returns the runs' metrics."""
     from tqdm import tqdm
 
+    spec_counters = getattr(backend, "spec_counters", lambda: None)  # the server's, where requests carry none
     runs = []
-    for concurrency in concurrencies:
+    for load in loads:
         for name, prompts in prompt_sets.items():
             if warmup:
-                backend.run(prompts[:warmup], sampling, concurrency)
-            with tqdm(total=len(prompts), desc=f"{name} c={concurrency}", unit="req", disable=not show_progress) as bar:
+                backend.run(prompts[:warmup], sampling, Load(concurrency=min(warmup, load.concurrency or warmup)))
+            before = spec_counters()
+            with tqdm(total=len(prompts), desc=f"{name} {load.describe()}", unit="req",
+                      disable=not show_progress) as bar:
                 start = time.perf_counter()
-                records = backend.run(prompts, sampling, concurrency, bar.update)
+                records = backend.run(prompts, sampling, load, bar.update)
                 duration = time.perf_counter() - start
-            runs.append({"dataset": name, "concurrency": concurrency, **summarize(records, duration)})
+            server_spec = None if before is None else spec_counters() - before
+            # vLLM's keys: a closed loop of c clients is its infinite rate with at most c in flight.
+            rate = load.request_rate if load.request_rate not in (None, math.inf) else "inf"
+            runs.append({"dataset": name, "concurrency": load.concurrency, "request_rate": rate,
+                         "max_concurrency": load.concurrency, "burstiness": 1.0, "num_prompts": len(prompts),
+                         **summarize(records, duration, server_spec)})
     return runs
 
 
@@ -293,6 +614,13 @@ def _fmt(value, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def load_label(run: dict) -> str:
+    """c=N for N clients (closed loop); R/s (at most N in flight) for Poisson arrivals."""
+    if run["request_rate"] == "inf":
+        return f"c={run['concurrency']}" if run["concurrency"] else "all at once"
+    return f"{run['request_rate']:g}/s" + (f" ≤{run['concurrency']}" if run["concurrency"] else "")
+
+
 def markdown_report(setup: dict, runs: list[dict]) -> str:
     drafter = setup.get("drafter") or "none (target-only)"
     lines = [
@@ -302,33 +630,33 @@ def markdown_report(setup: dict, runs: list[dict]) -> str:
         f"{setup['max_tokens']}, temperature {setup['temperature']}, {setup['warmup']} warm-up request(s) per run. "
         "Latencies in ms (mean / median / p99).",
         "",
-        "| dataset | concurrency | ok | failed | output tok/s | TTFT | TPOT | ITL | τ | τ per request | acceptance |",
-        "|---|---:|---:|---|---:|---|---|---|---:|---:|---:|",
+        "| dataset | load | ok | failed | output tok/s | TTFT | TPOT | ITL | τ | τ per request | acceptance |",
+        "|---|---|---:|---|---:|---|---|---|---:|---:|---:|",
     ]
     for r in runs:
         failed = str(r["failed"])
-        if r["errors"]:
-            failed += " (" + ", ".join(f"{code}: {n}" for code, n in r["errors"].items()) + ")"
+        if r["error_codes"]:
+            failed += " (" + ", ".join(f"{code}: {n}" for code, n in r["error_codes"].items()) + ")"
         latency = ["/".join(_fmt(r[key][stat]) for stat in ("mean", "median", "p99"))
                    for key in ("ttft_ms", "tpot_ms", "itl_ms")]
-        lines.append(f"| {r['dataset']} | {r['concurrency']} | {r['completed']} | {failed} | {r['output_tok_s']:.1f} | "
+        lines.append(f"| {r['dataset']} | {load_label(r)} | {r['completed']} | {failed} | {r['output_tok_s']:.1f} | "
                      f"{' | '.join(latency)} | {_fmt(r['tau'], '.2f')} | {_fmt(r['tau_per_request'], '.2f')} | "
                      f"{_fmt(r['acceptance_rate'], '.1%')} |")
     positions = max((len(r["acceptance_per_position"]) for r in runs), default=0)
     if positions:
         lines += ["", "Acceptance per draft position (fraction of rounds):", "",
-                  "| dataset | concurrency | " + " | ".join(str(j + 1) for j in range(positions)) + " |",
-                  "|---|---:|" + "---:|" * positions]
+                  "| dataset | load | " + " | ".join(str(j + 1) for j in range(positions)) + " |",
+                  "|---|---|" + "---:|" * positions]
         for r in runs:
             cells = [f"{a:.2f}" for a in r["acceptance_per_position"]]
             cells += ["-"] * (positions - len(cells))
-            lines.append(f"| {r['dataset']} | {r['concurrency']} | " + " | ".join(cells) + " |")
+            lines.append(f"| {r['dataset']} | {load_label(r)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    """Left: acceptance per draft position, per prompt set (pooled over concurrency levels: greedy
-    acceptance does not depend on the batch). Right: output tok/s against concurrency."""
+    """Left: acceptance per draft position, per prompt set (pooled over the loads: greedy
+    acceptance does not depend on the batch). Right: output tok/s at each load."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on servers
@@ -336,6 +664,7 @@ def plot(runs: list[dict], path: Path) -> None:
 
     fig, (acc_ax, tps_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     speculated = False
+    loads = list(dict.fromkeys(load_label(r) for r in runs))
     for name in dict.fromkeys(r["dataset"] for r in runs):
         mine = [r for r in runs if r["dataset"] == name]
         rounds = sum(r["rounds"] for r in mine)
@@ -345,16 +674,14 @@ def plot(runs: list[dict], path: Path) -> None:
                       for j in range(positions)]
             acc_ax.plot(range(1, positions + 1), pooled, marker="o", label=name)
             speculated = True
-        tps_ax.plot([r["concurrency"] for r in mine], [r["output_tok_s"] for r in mine], marker="o", label=name)
+        tps_ax.plot([loads.index(load_label(r)) for r in mine], [r["output_tok_s"] for r in mine], marker="o",
+                    label=name)
     acc_ax.set(title="acceptance per draft position", xlabel="draft position", ylabel="fraction of rounds",
                ylim=(0, 1.02))
     if not speculated:
         acc_ax.text(0.5, 0.5, "no drafts: target-only", ha="center", transform=acc_ax.transAxes)
-    levels = sorted({r["concurrency"] for r in runs})
-    tps_ax.set(title="output throughput", xlabel="concurrency", ylabel="output tok/s")
-    tps_ax.set_xscale("log", base=2)
-    tps_ax.set_xticks(levels, labels=[str(c) for c in levels])
-    tps_ax.minorticks_off()
+    tps_ax.set(title="output throughput", xlabel="load", ylabel="output tok/s")
+    tps_ax.set_xticks(range(len(loads)), labels=loads)
     for ax in (acc_ax, tps_ax):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

@@ -230,7 +230,8 @@ class Verifier:
                 self._commands.put(lambda: self._cancel(request_id))
 
     def _cancel(self, request_id: str) -> None:
-        self.engine.cancel(request_id)
+        if self.engine.cancel(request_id) and self.metrics is not None:
+            self.metrics.request_finished(FinishReason.CANCELLED)
         for table in (self._queues, self._arrivals, self._last_emit):
             table.pop(request_id, None)
         self.engine.release(request_id)
@@ -313,7 +314,7 @@ class Verifier:
         m, now = self.metrics, time.monotonic()
         m.inc("dflash_prompt_tokens", out.num_prompt_tokens)
         m.inc("dflash_generation_tokens", out.num_output_tokens)
-        m.inc("dflash_request_success", 1, finished_reason=str(out.finish_reason or FinishReason.ERROR))
+        m.request_finished(out.finish_reason or FinishReason.ERROR)
         m.observe("dflash_e2e_request_latency_seconds", now - arrival)
         if seq.scheduled_time is not None:
             m.observe("dflash_request_queue_time_seconds", seq.scheduled_time - arrival)

@@ -20,8 +20,9 @@ from tests.helm.kube_schemas import KUBERAY_CRDS, crd_errors
 # The chart's kubeVersion floor and the newest release kubernetes-validate knows.
 KUBE_VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
 CORE_KINDS = {"ConfigMap", "Service", "PersistentVolumeClaim", "Pod", "PodDisruptionBudget", "NetworkPolicy", "Ingress"}
-# Checked against their CRDs below (RayService) or field by field in test_render (monitors, Gateway API).
-CUSTOM_KINDS = {"RayService", "PodMonitor", "ServiceMonitor", "Gateway", "HTTPRoute", "GRPCRoute"}
+# Checked against their CRDs below (RayService) or field by field in test_render (monitors, Gateway API)
+# and test_prometheus_rule.
+CUSTOM_KINDS = {"RayService", "PodMonitor", "ServiceMonitor", "Gateway", "HTTPRoute", "GRPCRoute", "PrometheusRule"}
 
 needs_crds = pytest.mark.skipif(
     not KUBERAY_CRDS.is_dir(),

@@ -33,6 +33,9 @@ BAD_VALUES = [
     ({"models": {"download": {"repos": [{"repo": "qwen3", "revision": "main"}]}}},
      ["/models/download/repos/0/repo", "does not match pattern"]),
     ({"rayAuth": {"enabled": "yes"}}, ["/rayAuth/enabled", "want boolean"]),
+    ({"prometheusRule": {"alerts": {"kvCacheUsage": {"above": 95}}}},
+     ["/prometheusRule/alerts/kvCacheUsage/above", "maximum"]),
+    ({"prometheusRule": {"interval": "30 seconds"}}, ["/prometheusRule/interval", "does not match pattern"]),
 ]
 
 

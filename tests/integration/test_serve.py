@@ -8,6 +8,7 @@ the output lossless; the exported counters are consistent; health and reflection
 from __future__ import annotations
 
 import os
+import re
 import time
 import urllib.request
 
@@ -207,25 +208,54 @@ def test_health_and_reflection_answer(app):
     assert "dflash.v1.Generation" in services
 
 
-def test_every_series_the_dashboards_query_is_in_a_live_scrape(app):
+def _scrape(app) -> list[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{app['ports']['metrics']}/metrics", timeout=5) as r:
+        return [line for line in r.read().decode().splitlines() if line and not line.startswith("#")]
+
+
+def test_every_series_the_dashboards_and_the_prometheus_rule_query_is_in_a_live_scrape(app):
     """A panel or alert on a series the server has not exported yet stays empty (and never
-    fires): counters start at zero, gauges are set again every second, even while idle."""
-    from tests.helm.test_dashboards import DASHBOARDS, expressions, load, metric_names
+    fires): counters start at zero, gauges are set again every second, even while idle. The
+    chart's PrometheusRule (recording rules and alerts, with a drafter) is held to the same."""
+    from tests.helm.chart import render
+    from tests.helm.promql import metric_names
+    from tests.helm.test_dashboards import DASHBOARDS, expressions, load
 
     _stream(app["stub"], prompt="def add(a, b):", sampling=generation_pb2.SamplingParams(max_tokens=12))
     queried = {name for path in DASHBOARDS for expr in expressions(load(path)) for name in metric_names(expr)}
-    assert queried
+    (rule,) = render({"prometheusRule": {"enabled": True}}).all("PrometheusRule")
+    rule_exprs = [r["expr"] for group in rule["spec"]["groups"] for r in group["rules"]]
+    assert any("alert" in r for group in rule["spec"]["groups"] for r in group["rules"])
+    queried |= {name for expr in rule_exprs for name in metric_names(expr)}
 
     def missing():
-        with urllib.request.urlopen(f"http://127.0.0.1:{app['ports']['metrics']}/metrics", timeout=5) as r:
-            scraped = {line.split("{")[0].split(" ")[0] for line in r.read().decode().splitlines()
-                       if line and not line.startswith("#")}
-        return queried - scraped
+        return queried - {line.split("{")[0].split(" ")[0] for line in _scrape(app)}
 
     deadline = time.monotonic() + 60
     while missing() and time.monotonic() < deadline:
         time.sleep(1)
     assert missing() == set()
+
+
+def test_series_carry_vllms_model_name_and_finished_reasons(app):
+    _stream(app["stub"], prompt="x = ", sampling=generation_pb2.SamplingParams(max_tokens=3, ignore_eos=True))
+    long = generation_pb2.GenerateRequest(prompt="import os",
+                                          sampling=generation_pb2.SamplingParams(max_tokens=400, ignore_eos=True))
+    call = app["stub"].Generate(long, timeout=60)
+    next(call)
+    call.cancel()  # vLLM's abort
+    pattern = re.compile(r'^ray_dflash_request_success_total\{.*finished_reason="(\w+)".*\} (\S+)$')
+
+    def reasons():
+        found = {}
+        for line in _scrape(app):
+            if match := pattern.match(line):
+                assert 'model_name="' in line and 'model="' not in line, line
+                found[match[1]] = found.get(match[1], 0.0) + float(match[2])
+        return found if found.get("length", 0) > 0 and found.get("abort", 0) > 0 else None
+
+    found = _wait(reasons, timeout=60, what="a finished request in the scrape")
+    assert found.keys() == {"stop", "length", "abort", "error"}  # vLLM's values, each from zero
 
 
 def _serve_replica(deployment: str):

@@ -86,5 +86,5 @@ def test_a_limit_takes_the_first_prompts_and_cycles_past_the_end(tmp_path):
 def test_errors_name_the_set_or_the_missing_file(tmp_path):
     with pytest.raises(ValueError, match="unknown prompt set 'gsm9k'; known: humaneval, gsm8k"):
         load_prompts("gsm9k", tmp_path)
-    with pytest.raises(ValueError, match="HumanEval.jsonl.gz not found: point --data-dir at the bench-data folder"):
+    with pytest.raises(ValueError, match="HumanEval.jsonl.gz not found: --data-dir names the folder with the prompt set.s files"):
         load_prompts("humaneval", tmp_path)

@@ -1,26 +1,33 @@
-"""`dflash bench`: its statistics on synthetic records; the embedded engine end to end (CLI and
-report files); and the gRPC load loop against a real in-process gRPC server hosting the real
-Router in front of a real (colocated) Verifier, without Ray. The engine's benchmark-only
-`synthetic_tau` fixes every round's acceptance, so tau and per-position acceptance are known."""
+"""`dflash bench`: its statistics on synthetic records (our keys and vLLM bench's); Poisson
+arrivals; the embedded engine end to end (CLI and report files), closed and open loop; the gRPC
+load loop against a real in-process gRPC server hosting the real Router in front of a real
+(colocated) Verifier, without Ray; and the OpenAI backend against a small OpenAI-protocol HTTP
+server on a real socket (tests/openai_server.py). The engine's benchmark-only `synthetic_tau`
+fixes every round's acceptance, so tau and per-position acceptance are known."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import threading
+import time
 from types import SimpleNamespace
 
 import grpc
 import pytest
 
 from services.api.dflash.v1 import generation_pb2_grpc
-from services.bench.prompts import Prompt
+from services.bench.prompts import Prompt, random_prompts
 from services.bench.serve_bench import (
     BenchSampling,
     EmbeddedBackend,
     GrpcBackend,
+    Load,
+    OpenAIBackend,
     RequestRecord,
+    SpecCounters,
     distribution_ms,
+    parse_spec_counters,
     run_bench,
     summarize,
 )
@@ -28,8 +35,10 @@ from services.config import EngineConfig
 from services.engine.loader import build_engine
 from services.router.router import Router, RpcFailed
 from services.verifier.verifier import Verifier
+from tests import openai_server
 from tests.bench_data import write_tiny_bench_data
-from tests.served_pair import save_tiny_pair
+from tests.openai_server import OpenAIProtocolServer
+from tests.served_pair import VOCAB, save_tiny_pair
 
 BLOCK = 6
 PROMPTS = [Prompt("toy", str(i), text) for i, text in enumerate(
@@ -41,8 +50,10 @@ SAMPLING = BenchSampling(max_tokens=7, ignore_eos=True)
 # -- statistics -----------------------------------------------------------------------------------
 
 
-def record(start, arrivals, tokens, rounds=0, accepted=0, per_position=(), error=None) -> RequestRecord:
-    return RequestRecord(start=start, arrivals=list(arrivals),
+def record(start, arrivals, tokens, rounds=0, accepted=0, per_position=(), error=None, input_tokens=0,
+           end=None) -> RequestRecord:
+    end = end if end is not None or not arrivals else arrivals[-1][0]
+    return RequestRecord(start=start, arrivals=list(arrivals), end=end, input_tokens=input_tokens,
                          output_tokens=tokens, rounds=rounds, draft_tokens=rounds * (BLOCK - 1),
                          accepted_tokens=accepted, accepted_per_position=list(per_position), error=error)
 
@@ -57,8 +68,9 @@ def test_latencies_of_one_request():
 
 def test_distribution_in_ms():
     stats = distribution_ms([i / 1e3 for i in range(1, 101)])  # 1..100 ms
-    assert stats == pytest.approx({"mean": 50.5, "median": 50.5, "p99": 99.01})  # p99 interpolated linearly
-    assert distribution_ms([]) == {"mean": None, "median": None, "p99": None}
+    # p99 interpolated linearly; std of the population, as numpy's (and vLLM's)
+    assert stats == pytest.approx({"mean": 50.5, "median": 50.5, "std": 28.866070, "p99": 99.01})
+    assert distribution_ms([]) == {"mean": None, "median": None, "std": None, "p99": None}
 
 
 def test_summary_pools_rounds_and_leaves_failed_requests_out():
@@ -70,7 +82,7 @@ def test_summary_pools_rounds_and_leaves_failed_requests_out():
     ]
     s = summarize(records, duration=2.0)
     assert (s["requests"], s["completed"], s["failed"]) == (4, 2, 2)
-    assert s["errors"] == {"RESOURCE_EXHAUSTED": 1, "INTERNAL": 1}
+    assert s["error_codes"] == {"RESOURCE_EXHAUSTED": 1, "INTERNAL": 1}
     assert s["output_tokens"] == 9 and s["output_tok_s"] == 4.5 and s["request_throughput"] == 1.0
     assert s["tau"] == pytest.approx(1 + 4 / 3)  # pooled over rounds, not a mean of per-request taus
     assert s["tau_per_request"] == pytest.approx(((1 + 3) + (1 + 1 / 2)) / 2)  # DFlash's script's mean
@@ -80,10 +92,100 @@ def test_summary_pools_rounds_and_leaves_failed_requests_out():
     assert s["ttft_ms"]["mean"] == pytest.approx(200.0)  # (100 + 300) / 2: failed requests are left out
 
 
+def test_vllm_bench_keys_beside_ours():
+    records = [
+        record(0.0, [(0.1, 1), (0.3, 4)], tokens=5, rounds=1, accepted=3, per_position=[1, 1, 1, 0, 0],
+               input_tokens=10, end=0.4),
+        record(0.2, [(0.5, 1), (0.7, 1), (1.1, 2)], tokens=4, rounds=2, accepted=1, per_position=[1, 0, 0, 0, 0],
+               input_tokens=6, end=1.2),
+        record(0.0, [], tokens=0, error="UNAVAILABLE"),
+    ]
+    s = summarize(records, duration=2.0)
+    assert (s["completed"], s["failed"], s["duration"]) == (2, 1, 2.0)
+    assert (s["total_input_tokens"], s["total_output_tokens"]) == (16, 9)
+    assert s["request_throughput"] == 1.0 and s["output_throughput"] == 4.5 and s["total_token_throughput"] == 12.5
+    assert s["mean_ttft_ms"] == pytest.approx(200.0) and s["median_ttft_ms"] == pytest.approx(200.0)
+    assert s["std_ttft_ms"] == pytest.approx(100.0) and s["p99_ttft_ms"] == s["ttft_ms"]["p99"]
+    assert s["mean_tpot_ms"] == pytest.approx((200 / 4 + 600 / 3) / 2)
+    assert s["mean_itl_ms"] == s["itl_ms"]["mean"] and s["p99_itl_ms"] == s["itl_ms"]["p99"]
+    assert s["mean_e2el_ms"] == pytest.approx((400 + 1000) / 2)
+    # 1 + 4 + 1 + 1 tokens arrive in the run's first second, 2 in its second; the two overlap.
+    assert s["max_output_tokens_per_s"] == 7.0 and s["max_concurrent_requests"] == 2
+    assert s["input_lens"] == [10, 6] and s["output_lens"] == [5, 4] and s["ttfts"] == pytest.approx([0.1, 0.3])
+    assert s["spec_decode_acceptance_length"] == s["tau"] == pytest.approx(1 + 4 / 3)
+    assert s["spec_decode_acceptance_rate"] == pytest.approx(100 * 4 / 15)  # a percentage, as vLLM's
+    assert (s["spec_decode_num_drafts"], s["spec_decode_draft_tokens"], s["spec_decode_accepted_tokens"]) == (3, 15, 4)
+    assert s["spec_decode_per_position_acceptance_rates"] == pytest.approx([2 / 3, 1 / 3, 1 / 3, 0, 0])
+
+
+def test_server_counters_replace_the_requests_own():
+    server = SpecCounters(drafts=4, draft_tokens=20, accepted=10, per_position=(4, 3, 2, 1, 0))
+    s = summarize([record(0.0, [(0.1, 1), (0.2, 3)], tokens=4)], duration=1.0, server_spec=server)
+    assert s["tau"] == pytest.approx(3.5) and s["acceptance_rate"] == pytest.approx(0.5)
+    assert s["acceptance_per_position"] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    assert s["tau_per_request"] is None  # the server's counters are not per request
+
+
+def test_spec_counters_are_read_under_vllms_names_and_ours():
+    ours = (
+        'ray_dflash_spec_decode_num_drafts_total{model_name="m",replica="a"} 3.0\n'
+        'ray_dflash_spec_decode_num_drafts_total{model_name="m",replica="b"} 1.0\n'
+        'ray_dflash_spec_decode_num_draft_tokens_total{model_name="m"} 20.0\n'
+        'ray_dflash_spec_decode_num_accepted_tokens_total{model_name="m"} 6.0\n'
+        'ray_dflash_spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0\n'
+        'ray_dflash_spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 4.0\n'
+        'ray_dflash_generation_tokens_total{model_name="m"} 99.0\n'
+    )
+    assert parse_spec_counters(ours) == SpecCounters(4.0, 20.0, 6.0, (4.0, 2.0))
+    with OpenAIProtocolServer() as server:
+        server.completed = 2
+        assert parse_spec_counters(server.metrics_text()) == SpecCounters(
+            4.0, 20.0, 6.0, tuple(2.0 * c for c in openai_server.ACCEPTED_PER_POS))
+    assert SpecCounters(5, 25, 8, (5, 3)) - SpecCounters(4, 20, 6, (4,)) == SpecCounters(1, 5, 2, (1, 3))
+
+
 def test_target_only_has_no_tau():
     s = summarize([record(0.0, [(0.1, 1), (0.2, 1)], tokens=2)], duration=1.0)
     assert s["tau"] is None and s["tau_per_request"] is None
     assert s["acceptance_rate"] is None and s["acceptance_per_position"] == []
+
+
+# -- loads and prompts -----------------------------------------------------------------------------
+
+
+def test_poisson_arrivals_are_seeded_and_at_the_rate():
+    offsets = Load(request_rate=20.0, seed=3).arrival_offsets(20000)
+    assert offsets[0] == 0.0 and offsets == sorted(offsets)
+    assert offsets == Load(request_rate=20.0, seed=3).arrival_offsets(20000)
+    assert offsets != Load(request_rate=20.0, seed=4).arrival_offsets(20000)
+    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20, rel=0.03)
+    # Exponential gaps: the standard deviation equals the mean.
+    mean = sum(gaps) / len(gaps)
+    assert (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 == pytest.approx(mean, rel=0.05)
+    assert Load(request_rate=float("inf")).arrival_offsets(3) == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize(("load", "says"), [
+    (dict(concurrency=None), "closed-loop load needs a concurrency"),
+    (dict(request_rate=0.0), "--request-rate must be positive"),
+    (dict(concurrency=0, request_rate=1.0), "concurrency must be positive"),
+])
+def test_bad_loads_are_refused(load, says):
+    with pytest.raises(ValueError, match=says):
+        Load(**load)
+
+
+def test_random_prompts_are_token_ids_of_the_asked_lengths():
+    prompts = random_prompts(4, input_len=7, output_len=5, vocab_size=VOCAB, seed=1)
+    assert [len(p.token_ids) for p in prompts] == [7] * 4 and {p.max_tokens for p in prompts} == {5}
+    assert all(0 <= t < VOCAB for p in prompts for t in p.token_ids)
+    assert prompts == random_prompts(4, input_len=7, output_len=5, vocab_size=VOCAB, seed=1)
+    assert prompts != random_prompts(4, input_len=7, output_len=5, vocab_size=VOCAB, seed=2)
+    texts = random_prompts(2, 3, 5, VOCAB, seed=1, decode=lambda ids: " ".join(map(str, ids)))
+    assert texts[0].text == " ".join(map(str, texts[0].token_ids))
+    with pytest.raises(ValueError, match="--input-len"):
+        random_prompts(4, input_len=0, output_len=5, vocab_size=VOCAB)
 
 
 # -- the embedded engine --------------------------------------------------------------------------
@@ -108,18 +210,42 @@ def test_embedded_runs_at_each_concurrency(model_pair):
     target, drafter = model_pair
     engine = build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=4))
     engine.synthetic_tau = 3.0
-    runs = run_bench(EmbeddedBackend(engine), {"toy": PROMPTS}, [1, 4], SAMPLING, warmup=1, show_progress=False)
+    runs = run_bench(EmbeddedBackend(engine), {"toy": PROMPTS}, [Load(1), Load(4)], SAMPLING, warmup=1,
+                     show_progress=False)
     assert [(r["dataset"], r["concurrency"]) for r in runs] == [("toy", 1), ("toy", 4)]
     for run in runs:
         check_known_acceptance(run, len(PROMPTS))
     assert not engine.sequences and engine.allocator.num_free == engine.allocator.num_blocks  # all released
 
 
+def test_embedded_open_loop_sends_each_request_no_earlier_than_its_arrival(model_pair):
+    target, drafter = model_pair
+    engine = build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=4))
+    engine.synthetic_tau = 3.0
+    load = Load(concurrency=2, request_rate=40.0, seed=7)
+    start = time.perf_counter()
+    records = EmbeddedBackend(engine).run(PROMPTS, SAMPLING, load)
+    for r, due in zip(records, load.arrival_offsets(len(PROMPTS))):  # in sending order
+        assert r.start >= start + due
+    run = summarize(records, time.perf_counter() - start)
+    check_known_acceptance(run, len(PROMPTS))
+    assert run["max_concurrent_requests"] <= 2
+    assert not engine.sequences and engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_embedded_random_prompts_are_sent_as_token_ids(model_pair):
+    target, _ = model_pair
+    engine = build_engine(EngineConfig(target=target))
+    prompts = random_prompts(3, input_len=9, output_len=4, vocab_size=VOCAB, seed=0)
+    run = summarize(EmbeddedBackend(engine).run(prompts, BenchSampling(max_tokens=64, ignore_eos=True), Load(2)), 1.0)
+    assert run["input_lens"] == [9, 9, 9] and run["output_lens"] == [4, 4, 4]  # each prompt's output length
+
+
 def test_embedded_counts_refused_requests_as_failed(model_pair):
     target, _ = model_pair
     engine = build_engine(EngineConfig(target=target, max_tokens_limit=16))
-    records = EmbeddedBackend(engine).run(PROMPTS[:2], BenchSampling(max_tokens=17), concurrency=2)
-    assert summarize(records, 1.0)["errors"] == {"INVALID_ARGUMENT": 2}
+    records = EmbeddedBackend(engine).run(PROMPTS[:2], BenchSampling(max_tokens=17), Load(2))
+    assert summarize(records, 1.0)["error_codes"] == {"INVALID_ARGUMENT": 2}
 
 
 def test_the_cli_writes_json_markdown_and_a_plot(model_pair, tmp_path, capsys):
@@ -128,7 +254,7 @@ def test_the_cli_writes_json_markdown_and_a_plot(model_pair, tmp_path, capsys):
     target, drafter = model_pair
     out = tmp_path / "bench"
     data = write_tiny_bench_data(tmp_path / "bench-data")
-    assert main(["bench", "--embedded", "--target", target, "--drafter", drafter, "--dataset", "gsm8k,mbpp",
+    assert main(["bench", "--backend", "embedded", "--target", target, "--drafter", drafter, "--dataset", "gsm8k,mbpp",
                  "--data-dir", str(data), "--num-prompts", "2", "--concurrency", "1,2", "--warmup", "1",
                  "--max-tokens", "5", "--ignore-eos", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
@@ -140,8 +266,8 @@ def test_the_cli_writes_json_markdown_and_a_plot(model_pair, tmp_path, capsys):
         assert run["tau"] == pytest.approx(1 + sum(run["accepted_per_position"]) / run["rounds"])
         assert len(run["acceptance_per_position"]) == BLOCK - 1
     table = (out / "results.md").read_text()
-    assert "| dataset | concurrency | ok | failed | output tok/s | TTFT | TPOT | ITL | τ | τ per request | acceptance |" in table
-    assert "| gsm8k | 2 | 2 | 0 |" in table and "Acceptance per draft position" in table
+    assert "| dataset | load | ok | failed | output tok/s | TTFT | TPOT | ITL | τ | τ per request | acceptance |" in table
+    assert "| gsm8k | c=2 | 2 | 0 |" in table and "Acceptance per draft position" in table
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert table in capsys.readouterr().out
 
@@ -225,15 +351,124 @@ def test_grpc_runs_against_the_real_router_and_verifier(server, model_pair):
     backend = GrpcBackend(server, timeout=30)
     setup = backend.describe()
     assert (setup["target"], setup["drafter"], setup["topology"]) == (*model_pair, "colocated")
-    runs = run_bench(backend, {"toy": PROMPTS}, [1, 3], SAMPLING, warmup=1, show_progress=False)
+    runs = run_bench(backend, {"toy": PROMPTS}, [Load(1), Load(3)], SAMPLING, warmup=1, show_progress=False)
     for run in runs:
         check_known_acceptance(run, len(PROMPTS))
 
 
 def test_grpc_failures_are_counted_by_status_code(server):
-    records = GrpcBackend(server, timeout=30).run(PROMPTS[:3], BenchSampling(max_tokens=65), concurrency=2)
+    records = GrpcBackend(server, timeout=30).run(PROMPTS[:3], BenchSampling(max_tokens=65), Load(2))
     s = summarize(records, 1.0)
-    assert (s["completed"], s["failed"], s["errors"]) == (0, 3, {"INVALID_ARGUMENT": 3})
-    records = GrpcBackend("127.0.0.1:1", timeout=5).run(PROMPTS[:1], SAMPLING, concurrency=1)
+    assert (s["completed"], s["failed"], s["error_codes"]) == (0, 3, {"INVALID_ARGUMENT": 3})
+    records = GrpcBackend("127.0.0.1:1", timeout=5).run(PROMPTS[:1], SAMPLING, Load(1))
     assert records[0].error == "UNAVAILABLE"
 
+
+
+def test_grpc_open_loop_and_token_prompts(server):
+    runs = run_bench(GrpcBackend(server, timeout=30), {"toy": PROMPTS}, [Load(concurrency=2, request_rate=50.0)],
+                     SAMPLING, warmup=0, show_progress=False)
+    check_known_acceptance(runs[0], len(PROMPTS))
+    assert runs[0]["max_concurrent_requests"] <= 2 and (runs[0]["request_rate"], runs[0]["max_concurrency"]) == (50.0, 2)
+    prompts = random_prompts(2, input_len=11, output_len=3, vocab_size=VOCAB, seed=0)
+    s = summarize(GrpcBackend(server, timeout=30).run(prompts, BenchSampling(ignore_eos=True), Load(2)), 1.0)
+    assert s["input_lens"] == [11, 11] and s["output_lens"] == [3, 3]
+
+
+# -- over OpenAI HTTP -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def openai():
+    with OpenAIProtocolServer(api_key="sk-test") as server:
+        yield server
+
+
+def test_openai_completions_stream_with_usage_and_server_counters(openai):
+    backend = OpenAIBackend(openai.base_url, api_key="sk-test", metrics_url=openai.base_url + "/metrics", timeout=10)
+    setup = backend.describe()
+    assert (setup["backend"], setup["target"], setup["endpoint"]) == ("openai", openai_server.MODEL, "/v1/completions")
+    sampling = BenchSampling(max_tokens=7, seed=10, ignore_eos=True)
+    (run,) = run_bench(backend, {"toy": PROMPTS}, [Load(3)], sampling, warmup=1, show_progress=False)
+    assert (run["completed"], run["failed"]) == (len(PROMPTS), 0)
+    assert run["output_lens"] == [7] * len(PROMPTS) and run["total_output_tokens"] == 7 * len(PROMPTS)
+    assert sorted(run["input_lens"]) == sorted(len(p.text.split()) for p in PROMPTS)
+    assert run["mean_ttft_ms"] > 0 and run["mean_tpot_ms"] > 0 and run["p99_itl_ms"] > 0
+    # τ and acceptance from the server's counters over the measured requests only (warm-up excluded).
+    n = len(PROMPTS)
+    assert run["spec_decode_num_drafts"] == openai_server.DRAFTS * n
+    assert run["spec_decode_acceptance_length"] == pytest.approx(1 + openai_server.ACCEPTED / openai_server.DRAFTS)
+    assert run["spec_decode_acceptance_rate"] == pytest.approx(100 * openai_server.ACCEPTED / openai_server.DRAFT_TOKENS)
+    assert run["spec_decode_per_position_acceptance_rates"] == pytest.approx(
+        [c / openai_server.DRAFTS for c in openai_server.ACCEPTED_PER_POS])
+    body = openai.requests[-1]
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert body["max_tokens"] == 7 and body["ignore_eos"] is True and body["temperature"] == 0.0
+    assert sorted(b["seed"] for b in openai.requests[1:]) == [10 + i for i in range(n)]  # warm-up first
+
+
+def test_openai_chat_and_token_prompts(openai):
+    chat = OpenAIBackend(openai.base_url, endpoint="/v1/chat/completions", model=openai_server.MODEL,
+                         api_key="sk-test", timeout=10)
+    s = summarize(chat.run(PROMPTS[:2], BenchSampling(max_tokens=5), Load(2)), 1.0)
+    assert (s["completed"], s["output_lens"]) == (2, [5, 5])
+    assert s["spec_decode_acceptance_length"] is None  # no --metrics-url: the server's counters are unknown
+    assert {b["messages"][0]["content"] for b in openai.requests} == {p.text for p in PROMPTS[:2]}
+    assert all(b["max_completion_tokens"] == 5 and "max_tokens" not in b for b in openai.requests)
+    completions = OpenAIBackend(openai.base_url, model=openai_server.MODEL, api_key="sk-test", timeout=10)
+    prompts = random_prompts(2, input_len=6, output_len=3, vocab_size=VOCAB, seed=0)
+    s = summarize(completions.run(prompts, BenchSampling(max_tokens=64), Load(2)), 1.0)
+    assert s["input_lens"] == [6, 6] and s["output_lens"] == [3, 3]
+    assert sorted(b["prompt"] for b in openai.requests[2:]) == sorted(list(p.token_ids) for p in prompts)
+    with pytest.raises(ValueError, match="token prompts go to /v1/completions"):
+        chat.payload(0, prompts[0], SAMPLING)
+
+
+def test_openai_failures_are_counted(openai):
+    backend = OpenAIBackend(openai.base_url, model=openai_server.MODEL, api_key="sk-test", timeout=10)
+    prompts = [Prompt("toy", "0", "fail-400"), Prompt("toy", "1", "fail-mid"), PROMPTS[0]]
+    s = summarize(backend.run(prompts, SAMPLING, Load(3)), 1.0)
+    assert s["error_codes"] == {"HTTP_400": 1, "STREAM_ERROR": 1} and s["completed"] == 1
+    wrong_key = OpenAIBackend(openai.base_url, model=openai_server.MODEL, api_key="sk-other", timeout=10)
+    assert summarize(wrong_key.run(PROMPTS[:1], SAMPLING, Load(1)), 1.0)["error_codes"] == {"HTTP_401": 1}
+    closed = OpenAIBackend("http://127.0.0.1:1", model=openai_server.MODEL, timeout=5)
+    assert closed.run(PROMPTS[:1], SAMPLING, Load(1))[0].error == "ConnectError"
+
+
+def test_the_cli_benchmarks_an_openai_server_with_random_prompts(openai, model_pair, tmp_path, monkeypatch, capsys):
+    from services.cli import main
+
+    target, _ = model_pair  # its tokenizer: the random set's vocabulary
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    out = tmp_path / "bench"
+    assert main(["bench", "--backend", "openai", "--base-url", openai.base_url, "--tokenizer", target,
+                 "--metrics-url", openai.base_url + "/metrics", "--dataset", "random", "--input-len", "12",
+                 "--output-len", "6", "--num-prompts", "4", "--request-rate", "100", "--max-concurrency", "2",
+                 "--warmup", "0", "--seed", "1", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["setup"]["target"] == openai_server.MODEL and results["setup"]["input_len"] == 12
+    (run,) = results["runs"]
+    assert (run["request_rate"], run["max_concurrency"], run["num_prompts"], run["completed"]) == (100.0, 2, 4, 4)
+    assert run["input_lens"] == [12] * 4 and run["total_output_tokens"] == 24
+    for key in ["mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms",
+                "request_throughput", "output_throughput", "total_token_throughput", "spec_decode_acceptance_length"]:
+        assert isinstance(run[key], float), key
+    assert "| random | 100/s ≤2 | 4 | 0 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--dataset", "humaneval"], "give --data-dir"),
+    (["--backend", "openai", "--dataset", "random"], "give --tokenizer"),
+    (["--concurrency", "2", "--request-rate", "5"], "bound it with --max-concurrency"),
+    (["--max-concurrency", "2"], "give --request-rate too"),
+    (["--request-rate", "fast"], "--request-rate takes comma-separated numbers"),
+    (["--backend", "grpc", "--endpoint", "/v1/chat/completions"], "go with --backend openai"),
+])
+def test_the_cli_says_what_to_fix(openai, args, says, monkeypatch, capsys):
+    from services.cli import main
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    base = ["--base-url", openai.base_url] if "openai" in args else []
+    assert main(["bench", "--backend", "embedded", *args, *base] if "--backend" not in args
+                else ["bench", *args, *base]) == 2
+    assert says in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """The metric definitions: what Ray's metric layer accepts and what a scrape shows."""
 
-from services.metrics import SPECS, exported_names
+from services.engine.stopping import FinishReason
+from services.metrics import FINISHED_REASONS, SPECS, TAG_KEYS, exported_names, vllm_series
 
 
 def test_descriptions_and_names_are_ascii():
@@ -17,3 +18,24 @@ def test_exported_names_follow_ray_prefix_and_kind_suffixes():
     assert {"ray_dflash_acceptance_length_bucket", "ray_dflash_acceptance_length_sum",
             "ray_dflash_acceptance_length_count"} <= names
     assert len(names) == sum(3 if s.kind == "histogram" else 1 for s in SPECS)
+
+
+def test_finished_reasons_are_vllms_for_every_finish_reason():
+    assert set(FINISHED_REASONS) == set(FinishReason)
+    assert FINISHED_REASONS[FinishReason.CANCELLED] == "abort"
+    assert set(FINISHED_REASONS.values()) == {"stop", "length", "abort", "error"}
+
+
+def test_series_carry_model_name_as_vllms_do():
+    assert "model_name" in TAG_KEYS and "model" not in TAG_KEYS
+
+
+def test_vllm_names_map_onto_exported_series_with_their_suffixes():
+    series = vllm_series()
+    assert set(series.values()) <= exported_names()
+    assert series["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == (
+        "ray_dflash_spec_decode_num_accepted_tokens_per_pos_total")
+    assert series["vllm:time_to_first_token_seconds_bucket"] == "ray_dflash_time_to_first_token_seconds_bucket"
+    # vLLM's deprecated TPOT name is an alias of its per-token inter-token latency.
+    assert series["vllm:time_per_output_token_seconds_sum"] == series["vllm:inter_token_latency_seconds_sum"]
+    assert series["vllm:kv_cache_usage_perc"] == "ray_dflash_kv_cache_usage_perc"
