@@ -44,6 +44,10 @@ class EngineConfig:
     # checks and streaming overlap the GPU's work (with CUDA graphs and an in-process drafter, or
     # none). Off: one host sync between rounds.
     async_scheduling: bool = True
+    # Keep full KV blocks of committed tokens (the target's and the drafter's) keyed by content,
+    # shared between requests and kept after they finish until evicted: a prompt that starts
+    # like an earlier one (a system prompt, the conversation so far) skips prefilling that part.
+    enable_prefix_caching: bool = True
 
     def validate(self) -> None:
         if not self.target:

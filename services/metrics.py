@@ -87,6 +87,9 @@ SPECS = (
     MetricSpec("dflash_kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (0-1).",
                vllm=("vllm:kv_cache_usage_perc",)),
     MetricSpec("dflash_speculative_enabled", "gauge", "1 while a drafter serves this replica, 0 in AR fallback."),
+    MetricSpec("dflash_prefix_cache_queries", "counter",
+               "Tokens admitted sequences had to prefill, looked up in the prefix cache."),
+    MetricSpec("dflash_prefix_cache_hits", "counter", "Of those tokens, the ones found in the prefix cache."),
 )
 SPEC_BY_NAME = {s.name: s for s in SPECS}
 

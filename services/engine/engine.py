@@ -335,6 +335,7 @@ class Engine:
                 self._lose_proposer(err)
         for c in chunks:
             c.seq.num_cached = c.start + c.length
+            self.scheduler.offer_committed_blocks(c.seq)
         if sampling:
             seqs = [c.seq for c in sampling]
             first = sample_tokens(
@@ -479,8 +480,10 @@ class Engine:
                 seq.stats.record(block - 1, a)
             seq.num_cached += a + 1
             self._commit(seq, row[1 : a + 2])
+            # Also a sequence that just finished: its blocks may stay in the prefix cache.
+            keep_rows.extend(range(i * block, i * block + a + 1))
             if seq.status is SequenceStatus.RUNNING:  # a finished one's blocks are already free
-                keep_rows.extend(range(i * block, i * block + a + 1))
+                self.scheduler.offer_committed_blocks(seq)
                 self.scheduler.trim(seq, lookahead)
         if rnd.remote_context is not None and keep_rows and self.proposer is rnd.proposer:
             rows_t = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
@@ -509,6 +512,8 @@ class Engine:
         tokens alone; their outputs so far are kept and the results stay lossless."""
         self.drain()
         self.scheduler.preempt_all()
+        # Cached blocks hold no context rows of this drafter: nothing of them may be reused.
+        self.allocator.reset_prefix_cache()
         self.proposer = proposer
         self.block_size = self.scheduler.lookahead = proposer.block_size
 
@@ -534,6 +539,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason, tokens: list[int] | None = None, text: str = "") -> None:
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
+        if reason is not FinishReason.ERROR:  # after a failed forward, keep only what was cached before
+            self.scheduler.offer_committed_blocks(seq)
         self.scheduler.remove(seq)
         release = getattr(self.proposer, "release", None)  # a remote drafter forgets the sequence
         if release is not None:

@@ -2,11 +2,17 @@
 
 Both models index their caches by absolute token position, and a sequence never holds more
 positions in one pool than in the other (target: committed tokens + the verify block; drafter:
-committed context + the draft block), so one block table per sequence addresses both pools.
+committed context + the draft block), so one block table per sequence addresses both pools —
+and one prefix cache serves both: a cached block holds the target's K/V and the drafter's context
+rows of the same committed tokens.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +22,28 @@ class OutOfKVBlocks(RuntimeError):
     """Not enough free blocks right now; the scheduler waits or preempts."""
 
 
+def hash_block_tokens(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The prefix-cache key of a full block: its tokens and, through `parent` (the key of the
+    block before it, b"" for the first), every token before them — so equal keys mean equal
+    K/V at equal positions. 128 bits: a collision would serve another prompt's cache."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
+
+
 class BlockAllocator:
+    """The blocks of the KV pools, reference-counted, with a prefix cache.
+
+    A block full of committed tokens can be registered under its content key
+    (`hash_block_tokens`): sequences whose prompts start with the same tokens then share it (each
+    holds a reference), and when the last one lets go it stays cached — counted free, its K/V
+    intact — until a block is needed and it is the least recently released. Blocks that were
+    never registered are handed out first, so the cache is evicted only under pressure.
+
+    Only whole blocks of committed tokens are ever shared, and a sequence writes only at its
+    uncommitted positions, so no write lands in a shared block (the scheduler's part).
+    """
+
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks={num_blocks}: the KV cache needs at least one block")
@@ -24,14 +51,31 @@ class BlockAllocator:
         self.block_size = block_size
         # LIFO: recently freed blocks are reused first (warm in L2).
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks
+        self._key_of_block: dict[int, bytes] = {}
+        self._block_of_key: dict[bytes, int] = {}
+        # Registered blocks no sequence holds, least recently released first: evicted in that order.
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can take now: never-registered ones and cached ones nobody holds."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache, held or not."""
+        return len(self._key_of_block)
 
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._key_of_block
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -40,24 +84,82 @@ class BlockAllocator:
         return self.blocks_for(num_tokens) - len(table) <= self.num_free
 
     def grow(self, table: list[int], num_tokens: int) -> None:
-        """Extend `table` to cover positions 0..num_tokens-1; all or nothing."""
+        """Extend `table` to cover positions 0..num_tokens-1 with blocks of its own; all or nothing."""
         missing = self.blocks_for(num_tokens) - len(table)
         if missing <= 0:
             return
-        if missing > len(self._free):
-            raise OutOfKVBlocks(f"need {missing} KV blocks, {len(self._free)} free")
+        if missing > self.num_free:
+            raise OutOfKVBlocks(f"need {missing} KV blocks, {self.num_free} free")
         for _ in range(missing):
-            table.append(self._free.pop())
+            table.append(self._take())
 
     def trim(self, table: list[int], num_tokens: int) -> None:
         """Give back the blocks past what positions 0..num_tokens-1 need."""
         keep = self.blocks_for(num_tokens)
         while len(table) > keep:
-            self._free.append(table.pop())
+            self._drop(table.pop())
 
     def release(self, table: list[int]) -> None:
-        self._free.extend(reversed(table))
+        # Last block first: of a released prefix, its tail is evicted first (its head is the part
+        # other prompts are likeliest to share).
+        for block in reversed(table):
+            self._drop(block)
         table.clear()
+
+    def cached_prefix(self, keys: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest run of `keys` from the first, each with a reference
+        taken for the caller (give them back with `release`)."""
+        blocks = []
+        for key in keys:
+            block = self._block_of_key.get(key)
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+            blocks.append(block)
+        return blocks
+
+    def register(self, block: int, key: bytes) -> bool:
+        """Offer a held block, full of committed tokens whose content key is `key`, to the cache.
+        False when the key is cached already (in another block: this one stays private) or the
+        block is registered (under this key: it came from the cache)."""
+        if key in self._block_of_key or block in self._key_of_block:
+            return False
+        if self._refs[block] <= 0:
+            raise ValueError(f"block {block} is not held: only a sequence's own blocks can be registered")
+        self._key_of_block[block] = key
+        self._block_of_key[key] = block
+        return True
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every key (the caches' contents no longer match them, e.g. a new drafter's
+        context pool is empty); blocks nobody holds become plain free blocks."""
+        self._key_of_block.clear()
+        self._block_of_key.clear()
+        self._free.extend(reversed(self._evictable))
+        self._evictable.clear()
+
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:  # evict the least recently released cached block
+            block, _ = self._evictable.popitem(last=False)
+            del self._block_of_key[self._key_of_block.pop(block)]
+        self._refs[block] = 1
+        return block
+
+    def _drop(self, block: int) -> None:
+        refs = self._refs[block] - 1
+        if refs < 0:
+            raise RuntimeError(f"KV block {block} released more often than taken")
+        self._refs[block] = refs
+        if refs:
+            return
+        if block in self._key_of_block:
+            self._evictable[block] = None
+        else:
+            self._free.append(block)
 
 
 @dataclass

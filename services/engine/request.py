@@ -53,6 +53,10 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # Tokens whose K/V (target) and context rows (drafter) are in the caches: positions 0..num_cached-1.
     num_cached: int = 0
+    # Prefix-cache keys of the sequence's full blocks, as far as computed (tokens never change).
+    block_keys: list[bytes] = field(default_factory=list)
+    # Leading blocks of block_table, full of committed tokens, already offered to the prefix cache.
+    num_offered_blocks: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)

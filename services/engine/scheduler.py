@@ -5,6 +5,13 @@ one round per step; prompts are prefilled in chunks under a per-step token budge
 does not stall the others. KV blocks are taken before each step (the round's lookahead included)
 and, when they run out, the most recently admitted sequence is preempted: its blocks are freed
 and it is prefilled again later from its prompt and the tokens it already produced (recompute).
+
+Prefix caching (`EngineConfig.enable_prefix_caching`): once a block is full of committed tokens
+it is offered to the allocator's prefix cache, and an admitted sequence starts from the longest
+run of cached blocks its tokens match — never the block of the last position to prefill, which
+is computed for its logits (and its feature row). Every write of a sequence (prefill, the
+round's verify block, the drafter's block, a chained round's two blocks ahead) lands at or after
+its committed positions, so never in a block it shares.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.config import EngineConfig
-from services.engine.kv_cache import BlockAllocator
+from services.engine.kv_cache import BlockAllocator, hash_block_tokens
 from services.engine.request import Sequence, SequenceStatus
 
 
@@ -47,6 +54,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # since start, for the server's counter
+        self.prefix_caching = config.enable_prefix_caching
+        # Since start, in tokens (vLLM's prefix_cache_queries / _hits): what admitted sequences
+        # had to prefill, and how much of it the cache held.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -58,6 +70,39 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.allocator.release(seq.block_table)
+
+    def offer_committed_blocks(self, seq: Sequence) -> None:
+        """Offer the blocks now full of committed tokens to the prefix cache: positions below
+        num_cached have their K/V and context rows, and below num_tokens their tokens (a stop
+        inside a round's block drops the tokens after it)."""
+        if not self.prefix_caching:
+            return
+        full = min(seq.num_cached, seq.num_tokens) // self.allocator.block_size
+        if full <= seq.num_offered_blocks:
+            return
+        keys = self._block_keys(seq, full)
+        for i in range(seq.num_offered_blocks, full):
+            self.allocator.register(seq.block_table[i], keys[i])
+        seq.num_offered_blocks = full
+
+    def _block_keys(self, seq: Sequence, count: int) -> list[bytes]:
+        """The content keys of the sequence's first `count` blocks (computed once each)."""
+        keys, size = seq.block_keys, self.allocator.block_size
+        if len(keys) < count:
+            tokens = seq.tokens
+            for i in range(len(keys), count):
+                keys.append(hash_block_tokens(keys[i - 1] if i else b"", tokens[i * size : (i + 1) * size]))
+        return keys[:count]
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        """Start a sequence being admitted (holding no blocks) from its longest cached prefix."""
+        if not self.prefix_caching:
+            return
+        usable = (seq.prefill_target - 1) // self.allocator.block_size  # the last position is computed
+        blocks = self.allocator.cached_prefix(self._block_keys(seq, usable))
+        seq.block_table.extend(blocks)
+        seq.num_offered_blocks = len(blocks)
+        seq.num_cached = len(blocks) * self.allocator.block_size
 
     def trim(self, seq: Sequence, lookahead: int = 0) -> None:
         """After a round: keep blocks for the cached positions (and `lookahead` more, which a
@@ -83,7 +128,7 @@ class Scheduler:
     def _preempt_last(self, plan: StepPlan) -> Sequence:
         victim = self.running.pop()
         self.allocator.release(victim.block_table)
-        victim.num_cached = 0
+        victim.num_cached = victim.num_offered_blocks = 0
         victim.status = SequenceStatus.WAITING
         self.waiting.appendleft(victim)
         plan.preempted.append(victim)
@@ -118,10 +163,17 @@ class Scheduler:
             budget = self._plan_chunk(seq, budget, plan)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            self._take_cached_prefix(seq)
             before = len(plan.prefills)
             budget = self._plan_chunk(seq, budget, plan)
             if len(plan.prefills) == before:
-                break  # not enough free blocks for its first chunk: admit later (FCFS)
+                # Not enough free blocks for its first chunk: admit later (FCFS), holding nothing.
+                self.allocator.release(seq.block_table)
+                seq.num_cached = seq.num_offered_blocks = 0
+                break
+            if self.prefix_caching:
+                self.prefix_cache_queries += seq.prefill_target
+                self.prefix_cache_hits += seq.num_cached
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -153,7 +153,7 @@ class Verifier:
                                             error=f"the engine loop stopped: {self._loop_error}"))
 
     def _loop(self) -> None:
-        losses = preemptions = 0
+        losses = preemptions = queries = hits = 0
         next_gauges = 0.0
         while not self._stop.is_set():
             if time.monotonic() >= next_gauges:  # also while idle: a gauge set once is not exported
@@ -173,10 +173,14 @@ class Verifier:
                     pass
                 continue
             outputs = self.engine.step()
+            scheduler = self.engine.scheduler
             if self.metrics:  # ReplicaMetrics.inc skips zeros
                 self.metrics.inc("dflash_drafter_restarts", self.engine.proposer_losses - losses)
-                self.metrics.inc("dflash_num_preemptions", self.engine.scheduler.num_preemptions - preemptions)
-            losses, preemptions = self.engine.proposer_losses, self.engine.scheduler.num_preemptions
+                self.metrics.inc("dflash_num_preemptions", scheduler.num_preemptions - preemptions)
+                self.metrics.inc("dflash_prefix_cache_queries", scheduler.prefix_cache_queries - queries)
+                self.metrics.inc("dflash_prefix_cache_hits", scheduler.prefix_cache_hits - hits)
+            losses, preemptions = self.engine.proposer_losses, scheduler.num_preemptions
+            queries, hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
             for out in outputs:
                 self._deliver(out)
             self._record_step()

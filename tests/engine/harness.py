@@ -20,7 +20,8 @@ CHAIN_ROUNDS = False  # Engine.chain_rounds: on a GPU by default, forced here to
 
 
 def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = None, num_blocks=256, kv_block_size=4,
-                 max_num_seqs=8, max_prefill_tokens=64, eos=(), tokenizer=None, max_model_len=512) -> Engine:
+                 max_num_seqs=8, max_prefill_tokens=64, eos=(), tokenizer=None, max_model_len=512,
+                 enable_prefix_caching=True) -> Engine:
     """An engine on the CPU in float32; `drafter` builds the real DraftRunner, `proposer` plugs in an oracle."""
     layer_ids = drafter.config.target_layer_ids if drafter is not None else getattr(proposer, "target_layer_ids", ())
     target = TargetModel(model, layer_ids)
@@ -32,7 +33,8 @@ def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = Non
         pool = KVPool.allocate(d_layers, num_blocks, kv_block_size, d_heads, d_dim, drafter.dtype, "cpu")
         proposer = DraftRunner(drafter, target, pool)
     config = EngineConfig(target="tiny", kv_block_size=kv_block_size, num_kv_blocks=num_blocks,
-                          max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens)
+                          max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
+                          enable_prefix_caching=enable_prefix_caching)
     engine = Engine(runner, proposer, BlockAllocator(num_blocks, kv_block_size), config, tokenizer=tokenizer,
                     eos_token_ids=eos, max_model_len=max_model_len)
     engine.chain_rounds = CHAIN_ROUNDS
@@ -47,6 +49,31 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         ids.append(int(model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def assert_draft_context_is_committed_rows(runner: DraftRunner, seq, kv_block_size: int) -> None:
+    """The drafter's paged context of `seq` (positions 0..num_cached-1, through its block table)
+    equals a dense recomputation from its committed tokens alone."""
+    n = seq.num_cached
+    tokens = torch.tensor([seq.tokens[:n]])
+    _, features = runner.target.forward_with_features(tokens)
+    kv = runner.drafter.context_kv(features, torch.arange(n)[None])
+    slots = torch.tensor([seq.block_table[p // kv_block_size] * kv_block_size + p % kv_block_size for p in range(n)])
+    for layer, (k, v) in enumerate(kv):
+        cached_k = runner.pool.k[layer].view(-1, *runner.pool.k.shape[-2:])[slots]
+        torch.testing.assert_close(cached_k, k[0].transpose(0, 1), rtol=1e-4, atol=1e-4)
+        cached_v = runner.pool.v[layer].view(-1, *runner.pool.v.shape[-2:])[slots]
+        torch.testing.assert_close(cached_v, v[0].transpose(0, 1), rtol=1e-4, atol=1e-4)
+
+
+def assert_no_write_can_reach_a_shared_block(engine: Engine) -> None:
+    """Every block holding a position a sequence may still write (its uncommitted positions: the
+    rest of its prefill, a round's verify and draft blocks, a chained round's lookahead) is its
+    own and outside the prefix cache (vLLM #42971)."""
+    alloc = engine.allocator
+    for seq in engine.scheduler.running:
+        for block in seq.block_table[seq.num_cached // alloc.block_size :]:
+            assert alloc.refs(block) == 1 and not alloc.is_cached(block), (seq.request_id, block)
 
 
 class OracleProposer:

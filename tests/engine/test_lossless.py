@@ -17,7 +17,7 @@ from services.engine.sampling import SamplingParams
 from services.engine.stopping import FinishReason
 from tests.conftest import drafter_config, random_drafter
 from tests.engine import harness
-from tests.engine.harness import OracleProposer, build_engine, hf_greedy
+from tests.engine.harness import OracleProposer, assert_draft_context_is_committed_rows, build_engine, hf_greedy
 from tests.targets import tiny_target
 
 V = 96
@@ -108,25 +108,10 @@ def test_real_drafter_is_lossless_and_its_context_holds_only_accepted_rows(targe
         engine.step()
         running = [engine.sequences[i] for i in ids if engine.sequences[i].num_cached and engine.sequences[i].block_table]
         for seq in running:
-            _assert_draft_context_is_committed_rows(engine, seq)
+            assert_draft_context_is_committed_rows(engine.proposer, seq, engine.allocator.block_size)
     for rid, prompt in zip(ids, prompts, strict=True):
         assert engine.sequences[rid].output_ids == hf_greedy(target, prompt, 30)
     assert engine.allocator.num_free == engine.allocator.num_blocks
-
-
-def _assert_draft_context_is_committed_rows(engine, seq):
-    runner = engine.proposer
-    n = seq.num_cached
-    tokens = torch.tensor([seq.tokens[:n]])
-    _, features = runner.target.forward_with_features(tokens)
-    kv = runner.drafter.context_kv(features, torch.arange(n)[None])
-    bs = engine.allocator.block_size
-    slots = torch.tensor([seq.block_table[p // bs] * bs + p % bs for p in range(n)])
-    for layer, (k, v) in enumerate(kv):
-        cached_k = runner.pool.k[layer].view(-1, *runner.pool.k.shape[-2:])[slots]
-        torch.testing.assert_close(cached_k, k[0].transpose(0, 1), rtol=1e-4, atol=1e-4)
-        cached_v = runner.pool.v[layer].view(-1, *runner.pool.v.shape[-2:])[slots]
-        torch.testing.assert_close(cached_v, v[0].transpose(0, 1), rtol=1e-4, atol=1e-4)
 
 
 def test_mask_token_drafts_never_reach_the_output(target):

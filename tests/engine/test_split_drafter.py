@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from services.engine.sampling import SamplingParams
 from services.verifier.remote_drafter import RemoteProposer
 from tests.conftest import drafter_config, random_drafter
 from tests.engine import harness
-from tests.engine.harness import build_engine, hf_greedy
+from tests.engine.harness import assert_draft_context_is_committed_rows, build_engine, hf_greedy
 from tests.targets import tiny_target
 
 V, B = 96, 5
@@ -127,6 +128,40 @@ def test_a_tied_embedding_and_lm_head_are_shared_as_one_buffer(pair):
     assert head.lm_head_weight.data_ptr() == head.input_embeddings.weight.data_ptr()
     remote = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20))
     assert [s.output_ids for s in remote] == [s.output_ids for s in local]
+    proposer.close()
+    for buffer in shared:
+        buffer.close()
+
+
+def test_prefix_cache_hits_in_the_split_topology_bring_the_drafters_context_rows(pair):
+    """The drafter's pool follows the verifier's block ids, so a block the verifier's prefix cache
+    hits holds the drafter's context rows of those tokens too: a multi-turn conversation drafts
+    exactly as a local drafter that prefills everything, and the rows of the hit blocks in the
+    drafter process equal a dense recomputation."""
+    target, drafter = pair
+    shared = []
+    engine, server, proposer = _remote_engine(target, drafter, shared)
+    local = build_engine(target, drafter=drafter, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=15)
+    history = []
+    for user in ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8, 9, 7, 9], [3, 2, 3, 8, 4, 6]):
+        prompt = history + user
+        (remote,) = engine.generate([prompt], params)
+        (dense,) = local.generate([prompt], params)
+        assert remote.output_ids == dense.output_ids == hf_greedy(target, prompt, 15)
+        assert remote.stats.accepted_per_position == dense.stats.accepted_per_position
+        history = prompt + remote.output_ids
+    # Turn 2 hits 24 of turn 1's 25 or 26 committed positions, turn 3 44 of turn 2's 44 or 45.
+    assert engine.scheduler.prefix_cache_hits == 24 + 44
+    # Turn 3's rounds were drafted after the rows of those 11 blocks reached the drafter.
+    kv = engine.allocator.block_size
+    blocks = engine.allocator.cached_prefix(remote.block_keys[:11])
+    assert len(blocks) == 11
+    hit = SimpleNamespace(num_cached=11 * kv, tokens=history, block_table=blocks)
+    runner = SimpleNamespace(target=engine.runner.target, drafter=drafter, pool=server.session.runner.pool)
+    assert_draft_context_is_committed_rows(runner, hit, kv)
+    engine.allocator.release(blocks)
+    assert engine.allocator.num_free == engine.allocator.num_blocks
     proposer.close()
     for buffer in shared:
         buffer.close()

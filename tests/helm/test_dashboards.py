@@ -103,3 +103,9 @@ def test_load_dashboard_covers_batch_kv_and_throughput():
 def test_the_name_check_catches_an_unknown_metric():
     names = metric_names('sum(rate(ray_dflash_spec_decode_num_draft_total{model_name=~"$model_name"}[$__rate_interval]))')
     assert names == {"ray_dflash_spec_decode_num_draft_total"} and not names <= exported_names()
+
+
+def test_load_dashboard_shows_prefix_cache_hits_and_queries():
+    exprs = " ".join(expressions(load(CHART / "dashboards" / "load.json")))
+    for series in ["ray_dflash_prefix_cache_queries_total", "ray_dflash_prefix_cache_hits_total"]:
+        assert series in exprs
