@@ -10,7 +10,6 @@ import tomllib
 
 import helm_python
 import pytest
-import yaml
 from google.protobuf import json_format
 
 from services.api.dflash.v1 import generation_pb2
@@ -19,7 +18,6 @@ from services.config import ROUTER_SETTINGS, ServeConfig
 from tests.helm.chart import (
     CHART,
     NAMESPACE,
-    RELEASE,
     REPO,
     chart_values,
     load_chart,

@@ -7,7 +7,6 @@ import json
 
 import helm_python
 import pytest
-import yaml
 
 from services.config import ServeConfig
 from tests.helm.chart import render

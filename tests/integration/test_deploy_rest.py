@@ -44,7 +44,7 @@ def replica_actors(details: dict) -> dict[str, list[str]]:
 @pytest.fixture(scope="module")
 def deployed(model_pair):
     target, drafter = model_pair
-    ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port(), "dashboard": free_port()}
+    ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port()}
     with ray_head(auth_token=secrets.token_hex(16)) as head:
         values = chart_values(target, drafter, ports, max_pending=8, default_max_tokens=32)
         head.deploy(serve_config(values))
