@@ -295,10 +295,11 @@ def _bench(args: argparse.Namespace) -> int:
 
                 tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
             backend = OpenAIBackend(base_url, endpoint=args.endpoint,
-                                    model=args.model, api_key=os.environ.get("OPENAI_API_KEY"),
+                                    model=args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
                                     metrics_url=args.metrics_url, tokenizer=tokenizer, timeout=args.timeout)
         else:
-            backend = GrpcBackend(args.address, timeout=args.timeout)
+            backend = GrpcBackend(args.address, timeout=args.timeout,
+                                  api_key=args.api_key or os.environ.get("DFLASH_API_KEY"))
         setup = backend.describe()
         # Token prompts go as ids everywhere but in chat messages, which need their text.
         chat = args.backend == "openai" and backend.chat
@@ -416,6 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--embedded", action="store_const", dest="backend", const="embedded",
                        help="the same as --backend embedded")
     bench.add_argument("--address", default="127.0.0.1:9000", help="grpc: HOST:PORT of a dflash server")
+    bench.add_argument("--api-key", help="the server's API key (default: $DFLASH_API_KEY for grpc, "
+                       "$OPENAI_API_KEY for openai), sent as `Bearer KEY`")
     bench.add_argument("--base-url", help="openai: the server's URL (default http://127.0.0.1:8000)")
     bench.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
                        help="openai: completions send the prompt as is, chat completions as a user message")

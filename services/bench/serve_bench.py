@@ -360,14 +360,15 @@ async def _drive(prompts: Sequence[Prompt], load: Load, send: Callable[[int, Pro
 class GrpcBackend:
     """Streams `dflash.v1.Generation/Generate` calls over one channel."""
 
-    def __init__(self, address: str, timeout: float = 600.0):
+    def __init__(self, address: str, timeout: float = 600.0, api_key: str | None = None):
         self.address = address
         self.timeout = timeout
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     def describe(self) -> dict:
         from services.client import model_info
 
-        info = model_info(self.address, timeout=10)
+        info = model_info(self.address, timeout=10, metadata=self.metadata)
         return {"backend": "grpc", "address": self.address, "target": info.target, "drafter": info.drafter,
                 "block_size": info.block_size, "topology": info.topology, "vocab_size": info.vocab_size}
 
@@ -404,7 +405,7 @@ class GrpcBackend:
 
         last = None
         try:
-            async for response in stub.Generate(request, timeout=self.timeout):
+            async for response in stub.Generate(request, timeout=self.timeout, metadata=self.metadata):
                 record.tokens_arrived(time.perf_counter(), len(response.token_ids))
                 last = response
         except grpc.aio.AioRpcError as err:
