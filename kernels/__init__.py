@@ -12,12 +12,18 @@
 - `row_argmax`: greedy token choice over a vocabulary (the first index of each row's maximum).
 
 The Triton kernels run when the tensors are on CUDA (or under TRITON_INTERPRET=1); otherwise, or
-without triton installed, the references run. Nothing here imports `services`.
+without triton installed, the references run — for attention `paged_attention_batched`, its
+reference's math over a whole batch at once. Nothing here imports `services`.
 """
 
 from kernels.argmax import row_argmax, row_argmax_reference, row_argmax_triton
 from kernels.kv_injection import inject_context_kv, inject_context_kv_reference, inject_context_kv_triton
-from kernels.paged_attention import paged_attention, paged_attention_reference, paged_attention_triton
+from kernels.paged_attention import (
+    paged_attention,
+    paged_attention_batched,
+    paged_attention_reference,
+    paged_attention_triton,
+)
 from kernels.rms_norm import (
     add_rms_norm,
     add_rms_norm_reference,
@@ -47,6 +53,7 @@ __all__ = [
     "inject_context_kv_reference",
     "inject_context_kv_triton",
     "paged_attention",
+    "paged_attention_batched",
     "paged_attention_reference",
     "paged_attention_triton",
     "rms_norm",

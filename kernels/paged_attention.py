@@ -6,7 +6,8 @@ Sequence i has seq_lens[i] keys at cache positions 0..seq_lens[i]-1, and its q_l
 the LAST q_len_i of those positions, so a query at position p sees key k when k < seq_lens[i] and
     causal: k <= p;    window W: p - k < W (and, when not causal, k - p < W).
 
-`paged_attention_reference` is the plain-torch definition (CPU path and test oracle);
+`paged_attention_reference` is the plain-torch definition (test oracle), one sequence at a time;
+`paged_attention_batched` is the same math over many sequences per call (the CPU path);
 `paged_attention_triton` is the GPU kernel; `paged_attention` picks between them.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections import defaultdict
 
 import torch
 
@@ -48,7 +50,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, *,
     kwargs = dict(scale=scale, causal=causal, window=window, max_query_len=max_query_len, out=out)
     if _runs_triton(q):
         return paged_attention_triton(*args, **kwargs)
-    return paged_attention_reference(*args, **kwargs)
+    return paged_attention_batched(*args, **kwargs)
 
 
 def _runs_triton(x: torch.Tensor) -> bool:
@@ -98,6 +100,72 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
         out[begin:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
+
+
+# Elements `paged_attention_batched` holds at once for a slice of sequences (their gathered keys
+# and values, and the scores: 256 MiB in float32); a larger group is attended a slice at a time.
+BATCHED_KEYS_BUDGET = 1 << 26
+
+
+def paged_attention_batched(q, k_cache, v_cache, block_tables, seq_lens, query_start, *, scale, causal,
+                            window=None, max_query_len=None, out=None) -> torch.Tensor:
+    """`paged_attention_reference`'s math over many sequences per call (the CPU path).
+
+    Sequences with the same number of queries — every sequence of a round, prefill chunks of equal
+    length — are attended together: their keys are gathered a whole block at a time up to the
+    group's longest sequence, and torch's fused attention runs over all of them at once, with a
+    mask for each one's visible keys (GQA heads share their kv head's keys, not copies).
+    """
+    compute_dtype = torch.promote_types(q.dtype, torch.float32)
+    out = torch.empty_like(q) if out is None else out
+    bounds, lens = query_start.tolist(), seq_lens.tolist()
+    by_query_len: dict[int, list[int]] = defaultdict(list)
+    for i in range(len(lens)):
+        if bounds[i + 1] > bounds[i]:
+            by_query_len[bounds[i + 1] - bounds[i]].append(i)
+    for q_len, seqs in by_query_len.items():
+        # Per sequence: its gathered keys and values, and a score (or mask entry) per head and query.
+        per_seq = max(lens[i] for i in seqs) * (2 * k_cache.shape[2] * k_cache.shape[3] + q.shape[1] * q_len)
+        step = max(1, BATCHED_KEYS_BUDGET // per_seq)
+        for first in range(0, len(seqs), step):
+            part = seqs[first : first + step]
+            rows = (torch.tensor([bounds[i] for i in part], device=q.device)[:, None]
+                    + torch.arange(q_len, device=q.device)).flatten()
+            out[rows] = _attend_equal_query_lens(
+                q[rows].to(compute_dtype), k_cache, v_cache, block_tables[part].long(),
+                torch.tensor([lens[i] for i in part], device=q.device), scale=scale, causal=causal, window=window,
+            ).to(q.dtype)
+    return out
+
+
+def _attend_equal_query_lens(q, k_cache, v_cache, block_tables, seq_lens, *, scale, causal, window) -> torch.Tensor:
+    """n sequences with the same number of queries: q [n*q_len, heads, d] -> output, same shape."""
+    n = seq_lens.shape[0]
+    q_len = q.shape[0] // n
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    pages = block_tables[:, : -(-int(seq_lens.max()) // block_size)].flatten()
+    num_keys = pages.shape[0] // n * block_size
+    k = k_cache.index_select(0, pages).view(n, num_keys, num_kv_heads, head_dim).to(q.dtype)
+    v = v_cache.index_select(0, pages).view(n, num_keys, num_kv_heads, head_dim).to(q.dtype)
+    key_positions = torch.arange(num_keys, device=q.device)
+    owned = key_positions < seq_lens[:, None]  # [n, keys]
+    # Keys past a sequence's length belong to another sequence or none: masked, and zeroed too
+    # (the copies here), since a masked score of a NaN key is still NaN and 0 · NaN is NaN.
+    k.masked_fill_(~owned[:, :, None, None], 0.0)
+    v.masked_fill_(~owned[:, :, None, None], 0.0)
+    query_positions = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)  # [n, q_len]
+    visible = owned[:, None, :]
+    if causal:
+        visible = visible & (key_positions <= query_positions[:, :, None])
+    if window is not None:
+        visible = visible & (query_positions[:, :, None] - key_positions < window)
+        if not causal:
+            visible = visible & (key_positions - query_positions[:, :, None] < window)
+    attended = torch.nn.functional.scaled_dot_product_attention(
+        q.view(n, q_len, -1, head_dim).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=visible.expand(n, q_len, num_keys)[:, None], scale=scale, enable_gqa=True,
+    )
+    return attended.transpose(1, 2).reshape(n * q_len, -1, head_dim)
 
 
 # -- Triton ------------------------------------------------------------------------------------

@@ -19,7 +19,12 @@ import pytest
 import torch
 
 from kernels.kv_injection import inject_context_kv_reference, inject_context_kv_triton
-from kernels.paged_attention import paged_attention, paged_attention_reference, paged_attention_triton
+from kernels.paged_attention import (
+    paged_attention,
+    paged_attention_batched,
+    paged_attention_reference,
+    paged_attention_triton,
+)
 from services.models.draft import RMSNorm
 from services.models.rope import apply_rotary
 
@@ -173,6 +178,33 @@ def test_attention_reference_window_beyond_context_is_full_attention():
     assert torch.equal(windowed, paged_attention_reference(q, *rest, **{**options, "window": None}))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ATTENTION_CASES)
+def test_attention_batched_matches_reference(name, dtype):
+    (q, k_cache, v_cache, *rest), options = split_case(name)
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    result = paged_attention_batched(q, k_cache, v_cache, *rest, **options, out=out)
+    assert result is out  # every row written (NaN otherwise), in place
+    assert relative_error(out, paged_attention_reference(q, k_cache, v_cache, *rest, **options)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("budget", [None, 1], ids=["one-matmul", "a-sequence-at-a-time"])
+def test_attention_batched_rounds_of_many_sequences_match_reference(monkeypatch, budget):
+    """A round's shape: many sequences of one query length with very different context lengths
+    (keys past each one's length are masked, not read), next to prefill chunks of other lengths;
+    under a small score budget the group is attended in slices with the same result."""
+    if budget is not None:
+        monkeypatch.setattr(attention_module, "BATCHED_KEYS_BUDGET", budget)
+    seq_lens = [6, 300, 17, 64, 6, 129, 40, 7, 90, 33, 200, 21]
+    q_lens = [6] * 10 + [11, 21]
+    inputs = attention_case(seq_lens=seq_lens, q_lens=q_lens, num_kv_heads=2, group=3, head_dim=16, block_size=8)
+    for causal, window in [(True, None), (False, None), (True, 9), (False, 4)]:
+        options = dict(scale=0.3, causal=causal, window=window)
+        out = paged_attention_batched(*inputs, **options)
+        assert relative_error(out, paged_attention_reference(*inputs, **options)) < TOLERANCE[torch.float64]
+
+
 # Every dtype with the default kv split (1 at these sizes), and a forced split of 3 (each split's
 # partial softmax merged by the second kernel) in float32, where the merge is checked tightest; 16
 # splits leave most of them empty at these lengths (no output written, none read by the merge).
@@ -315,11 +347,13 @@ def test_injection_triton_matches_reference(dtype, num_rows, num_layers, num_kv_
 # -- dispatch -------------------------------------------------------------------------------------
 
 
-def test_dispatch_picks_the_kernel_on_cuda_or_the_interpreter_else_the_reference(monkeypatch):
+def test_dispatch_picks_the_kernel_on_cuda_or_the_interpreter_else_the_torch_path(monkeypatch):
     calls = []
-    for module, name in [(attention_module, "paged_attention"), (injection_module, "inject_context_kv")]:
+    # The torch path of attention is the batched one (the reference is its oracle).
+    for module, name, torch_path in [(attention_module, "paged_attention", "batched"),
+                                     (injection_module, "inject_context_kv", "reference")]:
         monkeypatch.setattr(module, f"{name}_triton", lambda *args, **kwargs: calls.append("triton"))
-        monkeypatch.setattr(module, f"{name}_reference", lambda *args, **kwargs: calls.append("reference"))
+        monkeypatch.setattr(module, f"{name}_{torch_path}", lambda *args, **kwargs: calls.append("reference"))
     x = torch.randn(2, 2, 16)
 
     def call_both(tensor):
