@@ -214,3 +214,24 @@ def test_fused_gemma3_forward_in_bf16_matches_transformers():
             if "norm" in name:
                 param.normal_(0.0, 0.5)
     _fused_equals_transformers_in_bf16(model.to(torch.bfloat16).cuda().eval(), "gemma3")
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["chained", "synced"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_cuda_prefix_cache_hits_with_graphs_and_chained_rounds_stay_lossless(graphs, async_scheduling):
+    """A shared opening and a second turn hit the prefix cache while other requests decode (CUDA
+    graphs replaying rounds over shared blocks, chained rounds writing two blocks ahead)."""
+    model = tiny_target("qwen3", layers=4, vocab=V, seed=7).float().cuda()
+    cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
+                         layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
+    drafter = random_drafter(cfg, seed=3, dtype=torch.float32).cuda()
+    engine = _engine(model, drafter, graphs=graphs, async_scheduling=async_scheduling)
+    opening = list(range(3, 40))  # 2 full blocks of 16
+    first = engine.generate([opening + [50, 51]], SamplingParams(temperature=0.0, max_tokens=30))[0]
+    prompts = [opening + [60, 61, 62], opening + [50, 51] + first.output_ids + [70], [9, 8, 7]]
+    done = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30))
+    with torch.no_grad():
+        for prompt, seq in zip(prompts, done, strict=True):
+            assert seq.output_ids == hf_greedy(model, prompt, 30)
+    assert engine.scheduler.prefix_cache_hits == 32 + 64  # the opening; the first conversation
+    assert engine.allocator.num_free == engine.allocator.num_blocks
