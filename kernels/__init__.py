@@ -9,6 +9,8 @@
 - `rope_kv_write`: a target layer's q/k norm + RoPE + paged K/V write, from its merged QKV output.
 - `silu_mul`, `gelu_tanh_mul`: SiLU(gate) · up (Llama, Qwen) or GELU-tanh(gate) · up (Gemma) of a
   merged gate-up projection.
+- `SkinnyLinear`: a linear layer whose GEMMs of at most 16 rows (decode, verify, draft) are one
+  launch streaming the weight, split-K reduce included.
 - `row_argmax`: greedy token choice over a vocabulary (the first index of each row's maximum).
 
 The Triton kernels run when the tensors are on CUDA (or under TRITON_INTERPRET=1); otherwise, or
@@ -33,6 +35,7 @@ from kernels.rms_norm import (
     rms_norm_triton,
 )
 from kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference, rope_kv_write_triton
+from kernels.skinny_linear import SkinnyLinear, skinny_linear_reference, skinny_linear_triton
 from kernels.silu_mul import (
     gelu_tanh_mul,
     gelu_tanh_mul_reference,
@@ -43,6 +46,7 @@ from kernels.silu_mul import (
 )
 
 __all__ = [
+    "SkinnyLinear",
     "add_rms_norm",
     "add_rms_norm_reference",
     "add_rms_norm_triton",
@@ -68,4 +72,6 @@ __all__ = [
     "silu_mul",
     "silu_mul_reference",
     "silu_mul_triton",
+    "skinny_linear_reference",
+    "skinny_linear_triton",
 ]

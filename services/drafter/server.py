@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from kernels import SkinnyLinear
 from services.api.dflash.v1 import drafter_pb2
 from services.engine.cuda_graphs import InjectionGraphs, RoundGraphs
 from services.engine.draft_runner import DraftRunner
@@ -49,6 +50,7 @@ class SharedTargetHead:
     def __init__(self, embedding: torch.Tensor, lm_head: torch.Tensor, embedding_scale: float, softcap: float):
         self.input_embeddings = SimpleNamespace(weight=embedding)
         self.lm_head_weight = lm_head
+        self.lm_head = SkinnyLinear(lm_head)
         self.embedding_scale = embedding_scale
         self.final_logit_softcapping = softcap or None
 
@@ -60,9 +62,6 @@ class SharedTargetHead:
         weight = self.input_embeddings.weight
         out = F.embedding(ids, weight)
         return out if self.embedding_scale == 1.0 else out * torch.tensor(self.embedding_scale, dtype=weight.dtype)
-
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight)
 
 
 class DrafterSession:

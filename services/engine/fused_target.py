@@ -17,7 +17,9 @@ norms scale in float32 and cast last (Gemma-3's `1 + w` folded into a float32 we
 MLP is GELU-tanh·mul, and sliding-window and global layers each rotate with their own RoPE table.
 The layer count of launches is the same nine.
 
-q/k/v and gate/up are each one GEMM over weights concatenated at load; the HF modules' parameters
+q/k/v and gate/up are each one GEMM over weights concatenated at load; a GEMM of at most 16 rows
+(decode, a batch-1 verify, the draft) is one launch of `kernels.SkinnyLinear`'s kernel, where
+cuBLAS would add a split-K reduce (and is slower at these shapes: BENCHMARKS.md); the HF modules' parameters
 are re-pointed at slices of those (contiguous row blocks), so no weight is held twice and the HF
 model stays usable for plain forwards and training. Feature k (the residual stream after layer k,
 HF's `hidden_states[k + 1]`) is the sum the next fused add produces, so no hook is needed.
@@ -33,10 +35,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels import add_rms_norm, gelu_tanh_mul, paged_attention, rms_norm, rope_kv_write, silu_mul
+from kernels import SkinnyLinear, add_rms_norm, gelu_tanh_mul, paged_attention, rms_norm, rope_kv_write, silu_mul
 from services.engine.kv_cache import AttentionBatch, KVPool
 from services.models.target import TargetModel
 
@@ -177,14 +178,10 @@ class FusedLayer:
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor  # HF's post_attention_layernorm: Llama's MLP input norm, Gemma's attention output norm
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    qkv: SkinnyLinear
+    o: SkinnyLinear
+    gate_up: SkinnyLinear
+    down: SkinnyLinear
     q_norm: torch.Tensor | None  # Qwen3's and Gemma's per-head norms
     k_norm: torch.Tensor | None
     scaling: float
@@ -208,10 +205,10 @@ class FusedLayer:
         return cls(
             input_norm=layer.input_layernorm.weight.detach(),
             post_attention_norm=layer.post_attention_layernorm.weight.detach(),
-            qkv=qkv, qkv_bias=qkv_bias,
-            o=attn.o_proj.weight.detach(), o_bias=_param(attn.o_proj.bias),
-            gate_up=gate_up, gate_up_bias=gate_up_bias,
-            down=mlp.down_proj.weight.detach(), down_bias=_param(mlp.down_proj.bias),
+            qkv=SkinnyLinear(qkv, qkv_bias),
+            o=SkinnyLinear(attn.o_proj.weight.detach(), _param(attn.o_proj.bias)),
+            gate_up=SkinnyLinear(gate_up, gate_up_bias),
+            down=SkinnyLinear(mlp.down_proj.weight.detach(), _param(mlp.down_proj.bias)),
             q_norm=None if q_norm is None else q_norm.weight.detach(),
             k_norm=None if k_norm is None else k_norm.weight.detach(),
             scaling=scaling, window=window, causal=causal, rope=rope,
@@ -295,7 +292,7 @@ class FusedStack:
         k_cache, v_cache = self.pool.k[index], self.pool.v[index]
         if layer.rope is not None:
             cos, sin = layer.rope
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = layer.qkv(x)
         q = rope_kv_write(qkv, rope_index, cos, sin, batch.slot_mapping, k_cache, v_cache,
                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                           q_norm_weight=layer.q_norm, k_norm_weight=layer.k_norm, eps=self.eps,
@@ -303,10 +300,10 @@ class FusedStack:
         attn = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start,
                                scale=layer.scaling, causal=layer.causal, window=layer.window,
                                max_query_len=batch.max_query_len)
-        return F.linear(attn.view(attn.shape[0], -1), layer.o, layer.o_bias)
+        return layer.o(attn.view(attn.shape[0], -1))
 
     def _mlp(self, layer: FusedLayer, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.activation(F.linear(x, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
+        return layer.down(self.activation(layer.gate_up(x)))
 
 
 class FusedTargetRunner:

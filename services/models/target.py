@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
+from kernels import SkinnyLinear
+
 
 class TargetLoadError(RuntimeError):
     """The target model could not be loaded; the message says where it was looked for."""
@@ -58,9 +60,12 @@ class TargetModel:
             if not 0 <= k < len(self.layers):
                 raise ValueError(f"target_layer_ids contains {k}, but the target has {len(self.layers)} decoder layers")
         self.input_embeddings: nn.Embedding = model.get_input_embeddings()
-        self.lm_head: nn.Module = model.get_output_embeddings()
-        if self.lm_head is None:
+        output_embeddings = model.get_output_embeddings()
+        if output_embeddings is None:
             raise TargetLoadError(f"{type(model).__name__} has no output embeddings (LM head)")
+        # The LM head of the engine's logits (the verify's few rows and the drafter's take the
+        # one-launch kernel on a GPU), over the module's own parameters.
+        self.lm_head = SkinnyLinear(output_embeddings.weight, output_embeddings.bias)
         self.final_logit_softcapping: float | None = getattr(self.config, "final_logit_softcapping", None) or None
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = [self.layers[k].register_forward_hook(self._capture_hook(k)) for k in sorted(set(self.layer_ids))]

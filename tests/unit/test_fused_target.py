@@ -158,9 +158,9 @@ def test_fusing_shares_the_hf_weights_and_leaves_the_hf_model_working():
     attn = model.model.layers[0].self_attn
     layer = fused.stack.layers[0]
     # q/k/v are row blocks of the merged weight: one copy of each weight in memory.
-    assert attn.q_proj.weight.data_ptr() == layer.qkv.data_ptr()
-    assert attn.v_proj.bias.data_ptr() == layer.qkv_bias[-attn.v_proj.bias.numel():].data_ptr()
-    assert model.model.layers[0].mlp.up_proj.weight.data_ptr() == layer.gate_up[model.config.intermediate_size:].data_ptr()
+    assert attn.q_proj.weight.data_ptr() == layer.qkv.weight.data_ptr()
+    assert attn.v_proj.bias.data_ptr() == layer.qkv.bias[-attn.v_proj.bias.numel():].data_ptr()
+    assert model.model.layers[0].mlp.up_proj.weight.data_ptr() == layer.gate_up.weight[model.config.intermediate_size:].data_ptr()
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, before)
 

@@ -739,3 +739,67 @@ def test_row_argmax_triton_is_torch_argmax(dtype, shape):
     got = row_argmax_triton(x.to(DEVICE))
     assert got.shape == expected.shape and got.dtype == torch.long
     assert torch.equal(got.cpu(), expected)
+
+
+# -- skinny linear --------------------------------------------------------------------------------
+
+SKINNY_CASES = [  # rows, N, K, bias, (block_n, block_k)
+    (1, 40, 96, False, (16, 32)),
+    (5, 70, 300, True, (32, 64)),  # a partial column tile, K not a multiple of its block
+    (16, 33, 257, True, (16, 128)),
+    (3, 64, 64, False, (64, 128)),  # one block wider than K
+]
+
+
+@runs_triton
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("rows,n,k,bias,settings", SKINNY_CASES)
+def test_skinny_linear_triton_matches_f_linear(dtype, rows, n, k, bias, settings):
+    """Equal to F.linear in float64; on CUDA also when replayed from a CUDA graph with new inputs."""
+    from kernels.skinny_linear import LaunchSettings, SkinnyLinear
+
+    g = torch.Generator().manual_seed(rows * n + k)
+    weight = torch.randn(n, k, generator=g).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
+    layer = SkinnyLinear(weight, b, LaunchSettings(*settings))
+
+    def reference(x):
+        return torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+
+    x = torch.randn(rows, k, generator=g).to(dtype).to(DEVICE)
+    assert relative_error(layer(x), reference(x)) < TOLERANCE[dtype]
+    if ON_CUDA:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = layer(x)
+        for _ in range(2):
+            x.copy_(torch.randn(rows, k, generator=g).to(dtype))
+            graph.replay()
+            assert relative_error(static_out, reference(x)) < TOLERANCE[dtype]
+
+
+def test_skinny_linear_takes_f_linear_off_the_kernel_path(monkeypatch):
+    """More than MAX_ROWS rows, a strided input, float32 on CUDA (TF32 products), a CPU tensor
+    without the interpreter: exactly F.linear."""
+    from kernels import skinny_linear as module
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(0)
+    layer = module.SkinnyLinear(torch.randn(8, 64, generator=g).to(DEVICE), torch.randn(8, generator=g).to(DEVICE))
+    inputs = [torch.randn(module.MAX_ROWS + 1, 64, generator=g), torch.randn(64, 4, generator=g).t(),
+              torch.randn(2, 3, 64, generator=g)]
+    for x in inputs:
+        x = x.to(DEVICE)
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_skinny_linear_settings_by_shape():
+    """The rule fitted to the H100 measurements (BENCHMARKS.md), at Qwen3-8B's projections and head."""
+    from kernels.skinny_linear import LaunchSettings
+
+    for n, k in [(4096, 4096), (4096, 12288)]:  # Qwen3-8B's O, down
+        assert LaunchSettings.for_shape(n, k) == LaunchSettings(32, 256)
+    for n, k in [(6144, 4096), (24576, 4096), (151936, 4096)]:  # its QKV, gate-up, LM head
+        assert LaunchSettings.for_shape(n, k) == LaunchSettings(64, 256)
+    for n, k in [(960, 576), (49152, 576)]:  # SmolLM2's QKV, LM head
+        assert LaunchSettings.for_shape(n, k) == LaunchSettings(32, 128)
