@@ -126,7 +126,7 @@ class EngineConfig(_Config):
     @classmethod
     def load(cls, flags: dict | None = None, defaults: dict | None = None) -> EngineConfig:
         """The engine of `dflash generate` / `bench`: `flags` > DFLASH_ENGINE__* > `defaults`."""
-        return cls.from_dict(_layered(defaults, _environment().get("engine", {}), flags))
+        return cls.from_dict(_layered(defaults, environment().get("engine", {}), flags))
 
 
 # ServeConfig keys only the routers read. A running application takes a change of these in place
@@ -195,7 +195,7 @@ class ServeConfig(_Config):
         Nested keys merge: DFLASH_ENGINE__MAX_NUM_SEQS replaces engine.max_num_seqs only."""
         if raw is not None and not isinstance(raw, dict):
             raise ValueError("expected a mapping at the top level")
-        return cls.from_dict(_layered(defaults, raw, _environment(), flags))
+        return cls.from_dict(_layered(defaults, raw, environment(), flags))
 
     @classmethod
     def from_yaml(cls, path: str, flags: dict | None = None, defaults: dict | None = None) -> ServeConfig:
@@ -224,7 +224,7 @@ class ServeConfig(_Config):
         return ServeConfig(**{**dict(self), **(settings or {})})
 
 
-def _environment() -> dict:
+def environment() -> dict:
     """The DFLASH_* variables that name config keys, in ServeConfig's shape. pydantic-settings
     finds them (case-insensitive, `__` descends into engine) and parses what it can ("64" -> 64,
     "false" -> False, "null" -> None); the strict models then refuse what it could not."""
