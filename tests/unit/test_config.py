@@ -166,3 +166,13 @@ def test_bench_refuses_engine_flags_for_a_server(capsys):
 
     assert main(["bench", "--backend", "grpc", "--max-num-seqs", "4", "--device", "cpu"]) == 2
     assert "--device, --max-num-seqs: the engine's flags go with --backend embedded" in capsys.readouterr().err
+
+
+def test_serve_config_v2_args_take_the_environment_and_the_replicas_get_it_resolved(monkeypatch):
+    """Kubernetes: the chart's pods.extraEnv reaches app_from_config, which builds the application."""
+    from services.app import app_from_config
+
+    monkeypatch.setenv("DFLASH_ENGINE__MAX_NUM_SEQS", "48")
+    router = app_from_config(BASE)._bound_deployment  # Ray 2.60's Application (ray is pinned)
+    verifier = router.init_args[0]._bound_deployment
+    assert verifier.init_args[0]["engine"]["max_num_seqs"] == 48 == router.init_args[1]["engine"]["max_num_seqs"]
