@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import threading
-
 import types
 import typing
 
@@ -20,11 +19,17 @@ from services.config import EngineConfig, ServeConfig, environment
 ALIASES = {"cuda_graphs": ("--eager", "no CUDA graphs: the same as --no-cuda-graphs"),
            "async_scheduling": ("--sync-rounds", "wait for each round's results before launching the next: the "
                                                  "same as --no-async-scheduling")}
-NO_DRAFTER = "none"
 
 
 def _auto_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _drafter_flag(value: str) -> str | None:
+    """`--drafter none`: target-only, the config's null."""
+    from services.models.default_pair import NO_DRAFTER
+
+    return None if value == NO_DRAFTER else value
 
 
 def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], title: str,
@@ -48,7 +53,7 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], ti
         elif typing.get_origin(kinds[0]) is typing.Literal:
             options["choices"] = typing.get_args(kinds[0])
         elif name == "drafter":
-            options["type"] = lambda value: None if value == NO_DRAFTER else value
+            options["type"] = _drafter_flag
         else:
             options["type"] = kinds[0]
         group.add_argument("--" + name.replace("_", "-"), **options)
@@ -66,7 +71,7 @@ def given_config_flags(args: argparse.Namespace, model: type[BaseModel]) -> dict
 def _model_pair(flags: dict) -> dict:
     """target and drafter as given by the flags or, under them, DFLASH_ENGINE__TARGET/DRAFTER,
     with the default pair filling in as resolve_pair does (neither given: the default pair)."""
-    from services.models.default_pair import resolve_pair
+    from services.models.default_pair import NO_DRAFTER, resolve_pair
 
     given = {**environment().get("engine", {}), **flags}
     drafter = NO_DRAFTER if "drafter" in given and given["drafter"] is None else given.get("drafter")

@@ -3,12 +3,13 @@ their precedence (flags > environment > YAML file > defaults), and the CLI flags
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
 import yaml
 
-from services.cli import build_parser, _serve_config
+from services.cli import _serve_config, build_parser, given_config_flags
 from services.config import EngineConfig, ServeConfig
 
 BASE = {"engine": {"target": "t", "drafter": "d"}}
@@ -17,8 +18,6 @@ BASE = {"engine": {"target": "t", "drafter": "d"}}
 @pytest.fixture(autouse=True)
 def no_dflash_environment(monkeypatch):
     """Whatever the shell running the tests has set must not leak in."""
-    import os
-
     for name in list(os.environ):
         if name.upper().startswith("DFLASH_"):
             monkeypatch.delenv(name)
@@ -50,8 +49,9 @@ def test_a_bad_config_is_refused_naming_the_key_and_the_reason(raw, says):
 
 
 def test_every_error_is_reported_at_once():
-    message = str(pytest.raises(ValueError, ServeConfig.from_dict,
-                                {"engine": {"target": "t", "max_num_seq": 1, "dtype": 3}, "colour": "red"}).value)
+    with pytest.raises(ValueError) as raised:
+        ServeConfig.from_dict({"engine": {"target": "t", "max_num_seq": 1, "dtype": 3}, "colour": "red"})
+    message = str(raised.value)
     assert "unknown config key(s) colour;" in message and "unknown config key(s) engine.max_num_seq;" in message
     assert "engine.dtype=3: must be a valid string" in message
 
@@ -149,8 +149,6 @@ def test_generated_flags_parse_to_typed_values_and_old_names_still_work():
     parse = build_parser().parse_args
     args = parse(["generate", "--prompt", "x", "--max-num-seqs", "4", "--kv-memory-fraction", "0.5",
                   "--target-impl", "fused", "--eager", "--sync-rounds", "--drafter", "none"])
-    from services.cli import given_config_flags
-
     assert given_config_flags(args, EngineConfig) == {"drafter": None, "kv_memory_fraction": 0.5, "max_num_seqs": 4,
                                                       "cuda_graphs": False, "target_impl": "fused",
                                                       "async_scheduling": False}
