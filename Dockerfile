@@ -43,6 +43,8 @@ RUN python3 -m venv /opt/venv \
         grpcio-health-checking==1.76.0 \
         grpcio-reflection==1.81.1 \
         pyyaml==6.0.3 \
+        pydantic==2.14.4 \
+        pydantic-settings==2.16.3 \
         jinja2==3.1.6 \
         gguf==0.19.0 \
         accelerate==1.15.0 \

@@ -162,7 +162,6 @@ def _bundle(cpus: float, gpus: float) -> dict:
 def build_app(config: ServeConfig):
     from ray import serve
 
-    config.validate()
     split = config.topology == "split"
     verifier_options = dict(
         name="Verifier",
@@ -187,6 +186,8 @@ def build_app(config: ServeConfig):
 
 def app_from_config(args: dict):
     """Entry point for serveConfigV2 `import_path: services.app:app_from_config`: the application's
-    `args` are the ServeConfig. Serve rebuilds the application, restarting every replica, when they
-    change; the chart therefore puts ROUTER_SETTINGS in the Router's user_config instead."""
-    return build_app(ServeConfig.from_dict(args))
+    `args` are the ServeConfig, under the DFLASH_* environment's overrides (the pods' env). Serve
+    rebuilds the application, restarting every replica, when they change; the chart therefore puts
+    ROUTER_SETTINGS in the Router's user_config instead. The replicas get the config as resolved
+    here, and do not read the environment again."""
+    return build_app(ServeConfig.load(args))

@@ -7,13 +7,76 @@ import os
 import signal
 import sys
 import threading
+import types
+import typing
 
 import torch
+from pydantic import BaseModel
 
-from services.config import TARGET_IMPLS
+from services.config import EngineConfig, ServeConfig, environment
 
-TARGET_IMPL_HELP = "the target's forward: fused layers (Llama, Qwen2, Qwen3), transformers' layer code, or auto"
-SYNC_ROUNDS_HELP = "wait for each round's results before launching the next (async_scheduling off)"
+# Flags that predate the generated ones: both spellings stay.
+ALIASES = {"cuda_graphs": ("--eager", "no CUDA graphs: the same as --no-cuda-graphs"),
+           "async_scheduling": ("--sync-rounds", "wait for each round's results before launching the next: the "
+                                                 "same as --no-async-scheduling")}
+
+
+def _auto_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _drafter_flag(value: str) -> str | None:
+    """`--drafter none`: target-only, the config's null."""
+    from services.models.default_pair import NO_DRAFTER
+
+    return None if value == NO_DRAFTER else value
+
+
+def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], title: str,
+                     helps: dict[str, str] | None = None, defaults: dict[str, str] | None = None) -> None:
+    """A flag for every field of `model` (`max_num_seqs` -> `--max-num-seqs`; booleans also as
+    `--no-...`), its help the field's description and default. A flag left out sets nothing
+    (argparse.SUPPRESS), so the environment, the config file and the defaults below it apply:
+    `given_config_flags` reads back the ones given. `helps` replaces a field's description,
+    `defaults` names a default the command picks itself (`helps` say their own)."""
+    group = parser.add_argument_group(title)
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            continue  # ServeConfig.engine: its fields get their own group
+        shown = (defaults or {}).get(name, repr(field.default))
+        help_text = (helps or {}).get(name) or f"{field.description} (default: {shown})"
+        options = dict(dest=name, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
+        kinds = [kind for kind in typing.get_args(field.annotation) if kind is not type(None)] \
+            if isinstance(field.annotation, types.UnionType) else [field.annotation]
+        if kinds == [bool]:
+            options["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kinds[0]) is typing.Literal:
+            options["choices"] = typing.get_args(kinds[0])
+        elif name == "drafter":
+            options["type"] = _drafter_flag
+        else:
+            options["type"] = kinds[0]
+        group.add_argument("--" + name.replace("_", "-"), **options)
+        if name in ALIASES:
+            flag, help_text = ALIASES[name]
+            group.add_argument(flag, dest=name, action="store_const", const=False, default=argparse.SUPPRESS,
+                               help=help_text)
+
+
+def given_config_flags(args: argparse.Namespace, model: type[BaseModel]) -> dict:
+    """The fields of `model` given on the command line (those left out are absent)."""
+    return {name: getattr(args, name) for name in model.model_fields if hasattr(args, name)}
+
+
+def _model_pair(flags: dict) -> dict:
+    """target and drafter as given by the flags or, under them, DFLASH_ENGINE__TARGET/DRAFTER,
+    with the default pair filling in as resolve_pair does (neither given: the default pair)."""
+    from services.models.default_pair import NO_DRAFTER, resolve_pair
+
+    given = {**environment().get("engine", {}), **flags}
+    drafter = NO_DRAFTER if "drafter" in given and given["drafter"] is None else given.get("drafter")
+    target, drafter = resolve_pair(given.get("target"), drafter)
+    return {"target": target, "drafter": drafter}
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -50,28 +113,20 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services.config import EngineConfig
     from services.engine.loader import build_engine
     from services.engine.sampling import SamplingParams
     from services.models import CheckpointError, TargetLoadError
-    from services.models.default_pair import DefaultPairError, resolve_pair
+    from services.models.default_pair import DefaultPairError
 
-    try:
-        target, drafter = resolve_pair(args.target, args.drafter)
-    except DefaultPairError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    config = EngineConfig(
-        target=target, drafter=drafter, device=args.device, dtype=args.dtype, cuda_graphs=not args.eager,
-        target_impl=args.target_impl, async_scheduling=not args.sync_rounds,
-    )
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
     )
     try:
+        flags = given_config_flags(args, EngineConfig)
+        config = EngineConfig.load(flags, defaults={"device": _auto_device(), **_model_pair(flags)})
         params.validate(max_tokens_limit=config.max_tokens_limit)
         engine = build_engine(config)
-    except (CheckpointError, TargetLoadError, ValueError) as err:
+    except (CheckpointError, TargetLoadError, ValueError, DefaultPairError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     tok = engine.tokenizer
@@ -102,19 +157,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_config(args: argparse.Namespace):
-    from services.config import EngineConfig, ServeConfig
-    from services.models.default_pair import resolve_pair
-
+def _serve_config(args: argparse.Namespace) -> ServeConfig:
+    """Flags > DFLASH_* environment > the --config file > defaults. Without a file, the command's
+    own defaults: the default pair, the GPU when there is one, split with a drafter."""
+    flags = {**given_config_flags(args, ServeConfig), "engine": given_config_flags(args, EngineConfig)}
     if args.config:
-        return ServeConfig.from_yaml(args.config)
-    target, drafter = resolve_pair(args.target, args.drafter)
-    engine = EngineConfig(target=target, drafter=drafter, device=args.device, dtype=args.dtype,
-                          target_impl=args.target_impl)
-    topology = args.topology or ("split" if drafter else "colocated")
-    return ServeConfig(engine=engine, topology=topology, grpc_port=args.grpc_port, http_port=args.http_port,
-                       metrics_port=args.metrics_port, served_model_name=args.served_model_name or "",
-                       api_keys_file=args.api_keys_file or "")
+        return ServeConfig.from_yaml(args.config, flags)
+    pair = _model_pair(flags["engine"])
+    defaults = {"engine": {"device": _auto_device(), **pair}, "topology": "split" if pair["drafter"] else "colocated"}
+    return ServeConfig.load(flags=flags, defaults=defaults)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -122,7 +173,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         config = _serve_config(args)
-        config.validate()
     except (ValueError, TypeError, DefaultPairError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -270,24 +320,21 @@ def _bench(args: argparse.Namespace) -> int:
             raise ValueError(f"prompt set {named[0]!r} is read from files: give --data-dir, the folder holding "
                              "them (README, 'Benchmark prompt sets', lists them and where they come from), or use "
                              "--dataset random")
-        if args.backend != "embedded" and (args.target or args.drafter):
-            raise ValueError("--target and --drafter go with --backend embedded; a server benchmarks the models "
-                             "it serves")
+        engine_flags = given_config_flags(args, EngineConfig)
+        if args.backend != "embedded" and engine_flags:
+            given = ", ".join("--" + name.replace("_", "-") for name in engine_flags)
+            raise ValueError(f"{given}: the engine's flags go with --backend embedded; a server benchmarks the "
+                             "models it serves, as it serves them")
         openai_only = [args.base_url, args.tokenizer, args.metrics_url, args.model,
                        args.endpoint != OpenAIBackend.ENDPOINTS[0]]
         if args.backend != "openai" and any(openai_only):
             raise ValueError("--base-url, --endpoint, --model, --tokenizer and --metrics-url go with --backend openai")
         if args.backend == "embedded":
-            from services.config import EngineConfig
             from services.engine.loader import build_engine
-            from services.models.default_pair import resolve_pair
 
-            target, drafter = resolve_pair(args.target, args.drafter)
             most = max(load.concurrency or args.num_prompts for load in loads)
-            engine = build_engine(EngineConfig(target=target, drafter=drafter, device=args.device, dtype=args.dtype,
-                                               max_num_seqs=most, cuda_graphs=not args.eager,
-                                               target_impl=args.target_impl,
-                                               async_scheduling=not args.sync_rounds))
+            defaults = {"device": _auto_device(), "max_num_seqs": most, **_model_pair(engine_flags)}
+            engine = build_engine(EngineConfig.load(engine_flags, defaults=defaults))
             backend = EmbeddedBackend(engine)
         elif args.backend == "openai":
             if args.tokenizer:
@@ -347,6 +394,16 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+ENGINE_FLAGS_TITLE = "EngineConfig; flags > DFLASH_ENGINE__* > defaults"
+MODEL_PAIR_HELP = {
+    "target": "The target model: a folder or a hub repo id (omit both --target and --drafter: the default pair, "
+              "SmolLM2-135M-Instruct and its drafter).",
+    "drafter": "The DFlash drafter: a folder or a hub repo id; 'none': target-only (omitted: the default drafter "
+               "without --target, target-only with it).",
+}
+COMMAND_DEFAULTS = {"device": "cuda when there is a GPU, else cpu"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="DFlash speculative decoding server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -357,9 +414,6 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(run=_inspect)
 
     gen = sub.add_parser("generate", help="run the engine in-process on one prompt and print text and acceptance")
-    gen.add_argument("--target", help="target model folder or hub repo id (omit: the default SmolLM2-135M-Instruct)")
-    gen.add_argument("--drafter", help="DFlash drafter folder or hub repo id; 'none': target-only (omitted: the "
-                                       "default drafter without --target, target-only with it)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--max-tokens", type=int, default=256)
@@ -367,28 +421,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
-    gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    gen.add_argument("--dtype", default="auto")
-    gen.add_argument("--target-impl", default="auto", choices=TARGET_IMPLS, help=TARGET_IMPL_HELP)
-    gen.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    gen.add_argument("--sync-rounds", action="store_true", help=SYNC_ROUNDS_HELP)
+    add_config_flags(gen, EngineConfig, ENGINE_FLAGS_TITLE, helps=MODEL_PAIR_HELP, defaults=COMMAND_DEFAULTS)
     gen.set_defaults(run=_generate)
 
     srv = sub.add_parser("serve", help="run the gRPC service (router, verifier, drafter) on a local Ray")
-    srv.add_argument("--config", help="the YAML the Helm chart renders (engine, topology, ports, ...)")
-    srv.add_argument("--target", help="omit both --target and --drafter to serve the default pair")
-    srv.add_argument("--drafter", help="'none': target-only")
-    srv.add_argument("--topology", choices=["split", "colocated"])
-    srv.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    srv.add_argument("--dtype", default="auto")
-    srv.add_argument("--target-impl", default="auto", choices=TARGET_IMPLS, help=TARGET_IMPL_HELP)
-    srv.add_argument("--grpc-port", type=int, default=9000)
-    srv.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP API")
+    srv.add_argument("--config", help="the YAML the Helm chart renders (services/config.py:ServeConfig: engine, "
+                                      "topology, ports, ...); the flags below override it, and DFLASH_* variables "
+                                      "override it under them")
     srv.add_argument("--http-host", default="127.0.0.1", help="the HTTP API's interface (0.0.0.0: every one)")
-    srv.add_argument("--metrics-port", type=int, default=8080)
-    srv.add_argument("--served-model-name", help="the model name of the OpenAI API (default: the target's folder "
-                                                 "name, or its hub id)")
-    srv.add_argument("--api-keys-file", help="require an API key from this file (one a line) on every call")
+    serve_defaults = {"device": "cuda when there is a GPU, else cpu; with --config, 'cpu'",
+                      "topology": "split with a drafter, else colocated; with --config, 'split'"}
+    add_config_flags(srv, ServeConfig, "application (ServeConfig; flags > DFLASH_* > --config file > defaults)",
+                     defaults=serve_defaults)
+    add_config_flags(srv, EngineConfig, "engine (ServeConfig.engine; flags > DFLASH_ENGINE__* > --config file > "
+                                        "defaults)", helps=MODEL_PAIR_HELP, defaults=serve_defaults)
     srv.set_defaults(run=_serve)
 
     cli = sub.add_parser("client", help="stream a completion from a running server")
@@ -429,13 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--metrics-url", help="openai: the server's Prometheus endpoint (ours: a Ray node's "
                                              "metrics port, http://HOST:8080/metrics; vLLM's: BASE_URL/metrics), read "
                                              "before and after each run for tau and acceptance")
-    bench.add_argument("--target", help="embedded: target (omit both --target and --drafter: the default pair)")
-    bench.add_argument("--drafter", help="embedded: drafter; 'none': target-only")
-    bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    bench.add_argument("--dtype", default="auto")
-    bench.add_argument("--target-impl", default="auto", choices=TARGET_IMPLS, help=TARGET_IMPL_HELP)
-    bench.add_argument("--eager", action="store_true", help="embedded: no CUDA graphs")
-    bench.add_argument("--sync-rounds", action="store_true", help="embedded: " + SYNC_ROUNDS_HELP)
+    add_config_flags(bench, EngineConfig, "embedded: the engine (" + ENGINE_FLAGS_TITLE + ")", helps=MODEL_PAIR_HELP,
+                     defaults={**COMMAND_DEFAULTS, "max_num_seqs": "the largest load's concurrency, or --num-prompts"})
     bench.add_argument("--dataset", default="random",
                        help="comma-separated: random (--input-len token ids drawn from the vocabulary, "
                             "--output-len tokens asked), or a set read from --data-dir: humaneval, gsm8k, math500, "

@@ -1,104 +1,181 @@
 """The one typed configuration of dflash-serve.
 
-Every knob lives here once, with its default; the CLI maps flags onto it (and, with the server,
-a YAML file and the Helm chart render the same fields).
+Every knob lives here once, as a pydantic field with its default and description. The models are
+frozen and strict (a key they do not know, a string where a number goes, or a value out of range
+is refused at construction with a message naming the key), and everything else derives from them:
+the Helm chart's values schema (tests/helm/config_schema.py), the CLI's flags (services/cli.py),
+and the DFLASH_* environment overrides read by `load`.
+
+Where values come from, highest first: command-line flags > DFLASH_* environment variables > the
+YAML file (or serveConfigV2's args) > the defaults below. Only `load` reads the environment:
+constructing a config, or `from_dict` (what the deployments do with the config they are given),
+never does, so a test or a replica sees exactly the values it was handed.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import contextvars
 import os
-from dataclasses import dataclass
+import typing
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+TargetImpl = Literal["auto", "fused", "transformers"]
+Topology = Literal["split", "colocated"]
+TARGET_IMPLS = typing.get_args(TargetImpl)
+TOPOLOGIES = typing.get_args(Topology)
+# DFLASH_TOPOLOGY=colocated, DFLASH_ENGINE__MAX_NUM_SEQS=64: the prefix, then the key path joined by __.
+ENV_PREFIX = "DFLASH_"
+ENV_NESTED_DELIMITER = "__"
 
 
-TARGET_IMPLS = ("auto", "fused", "transformers")
+# False while a config is being validated: a nested one (the engine inside a ServeConfig) then
+# leaves its errors to the outer one, which names them with their prefix.
+_OUTERMOST = contextvars.ContextVar("dflash_config_outermost", default=True)
 
 
-@dataclass(frozen=True)
-class EngineConfig:
+@contextlib.contextmanager
+def _plain_errors(model: type[BaseModel]):
+    """Turns the outermost config's ValidationError into a ValueError in plain words."""
+    if not _OUTERMOST.get():
+        yield
+        return
+    token = _OUTERMOST.set(False)
+    try:
+        yield
+    except ValidationError as err:
+        raise ValueError(explain(err, model)) from None
+    finally:
+        _OUTERMOST.reset(token)
+
+
+class _Config(BaseModel):
+    """Frozen, strict, unknown keys refused; a bad value raises ValueError in plain words
+    (`explain`), not pydantic's dump."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    def __init__(self, **values):
+        with _plain_errors(type(self)):
+            super().__init__(**values)
+
+    @classmethod
+    def from_dict(cls, raw: dict | None):
+        """Strict: an unknown key is an error naming it and the known ones (a typo must not be
+        silently ignored, as Ray's own schema does)."""
+        if raw is not None and not isinstance(raw, dict):
+            raise ValueError(f"expected a mapping of config keys, got {type(raw).__name__}")
+        with _plain_errors(cls):
+            return cls.model_validate(raw or {})
+
+    def to_dict(self) -> dict:
+        return self.model_dump()
+
+
+class EngineConfig(_Config):
     """The speculative engine: models, KV cache and scheduler limits."""
 
-    target: str = ""
-    # None: target-only (autoregressive) decoding, the baseline every speedup is measured against.
-    drafter: str | None = None
-    device: str = "cpu"
-    # "auto" = the checkpoint's own dtype on GPU, float32 on CPU (bf16 matmuls are slow there).
-    dtype: str = "auto"
-    # Tokens per KV block, shared by the target and drafter pools (one block table per sequence).
-    kv_block_size: int = 16
-    # KV blocks per pool; 0 = size from kv_memory_fraction of free GPU memory (or 4096 on CPU).
-    num_kv_blocks: int = 0
-    kv_memory_fraction: float = 0.85
-    max_num_seqs: int = 32
-    # Prompt tokens per step; longer prompts are prefilled in chunks so running requests keep going.
-    max_prefill_tokens: int = 2048
-    # 0 = the target's max_position_embeddings.
-    max_model_len: int = 0
-    max_tokens_limit: int = 32768
-    # Capture CUDA graphs for the fixed-shape decode, verify and draft forwards (GPU only).
-    cuda_graphs: bool = True
-    # The target's forward: fused (our layer code and kernels: Llama, Qwen2, Qwen3 dense),
-    # transformers (its own layer code, any causal LM), or auto (fused where it applies).
-    target_impl: str = "auto"
-    # Launch each round before the host has read the last one's results, so sampling, stop
-    # checks and streaming overlap the GPU's work (with CUDA graphs and an in-process drafter, or
-    # none). Off: one host sync between rounds.
-    async_scheduling: bool = True
-    # Keep full KV blocks of committed tokens (the target's and the drafter's) keyed by content,
-    # shared between requests and kept after they finish until evicted: a prompt that starts
-    # like an earlier one (a system prompt, the conversation so far) skips prefilling that part.
-    enable_prefix_caching: bool = True
+    target: str = Field("", validate_default=True, description="The target model: a folder or a hub repo id.")
+    drafter: str | None = Field(None, description="The DFlash drafter: a folder or a hub repo id; null: target-only "
+                                "(autoregressive) decoding, the baseline every speedup is measured against.")
+    device: str = Field("cpu", description="Where the models run: cpu, cuda or cuda:N.")
+    dtype: str = Field("auto", description="auto: the checkpoint's own dtype on GPU, float32 on CPU (bf16 matmuls "
+                       "are slow there); or bfloat16, float16, float32.")
+    kv_block_size: int = Field(16, description="Tokens per KV block, shared by the target and drafter pools (one "
+                               "block table per sequence); a power of two.")
+    num_kv_blocks: int = Field(0, ge=0, description="KV blocks per pool; 0: size from kv_memory_fraction of free GPU "
+                               "memory (or 4096 on CPU).")
+    kv_memory_fraction: float = Field(0.85, gt=0, le=1, description="The share of free GPU memory the KV pools take "
+                                      "when num_kv_blocks is 0.")
+    max_num_seqs: int = Field(32, gt=0, description="Sequences decoded together: the running batch.")
+    max_prefill_tokens: int = Field(2048, gt=0, description="Prompt tokens per step; longer prompts are prefilled "
+                                    "in chunks so running requests keep going.")
+    max_model_len: int = Field(0, ge=0, description="Prompt plus output tokens per sequence; 0: the target's "
+                               "max_position_embeddings.")
+    max_tokens_limit: int = Field(32768, gt=0, description="The most tokens a request may ask for.")
+    cuda_graphs: bool = Field(True, description="Capture CUDA graphs for the fixed-shape decode, verify and draft "
+                              "forwards (GPU only).")
+    target_impl: TargetImpl = Field("auto", description="The target's forward: fused (our layer code and kernels: "
+                                    "Llama, Qwen2, Qwen3 dense), transformers (its own layer code, any causal LM), "
+                                    "or auto (fused where it applies).")
+    async_scheduling: bool = Field(True, description="Launch each round before the host has read the last one's "
+                                   "results, so sampling, stop checks and streaming overlap the GPU's work (with "
+                                   "CUDA graphs and an in-process drafter, or none). Off: one host sync between "
+                                   "rounds.")
+    enable_prefix_caching: bool = Field(True, description="Keep full KV blocks of committed tokens (the target's and "
+                                        "the drafter's) keyed by content, shared between requests and kept after "
+                                        "they finish until evicted: a prompt that starts like an earlier one (a "
+                                        "system prompt, the conversation so far) skips prefilling that part.")
 
-    def validate(self) -> None:
-        if not self.target:
-            raise ValueError("EngineConfig.target is empty: name a target model folder or hub repo id")
-        if self.kv_block_size <= 0 or self.kv_block_size & (self.kv_block_size - 1):
-            raise ValueError(f"kv_block_size={self.kv_block_size} must be a positive power of two")
-        if self.max_num_seqs <= 0 or self.max_prefill_tokens <= 0:
-            raise ValueError("max_num_seqs and max_prefill_tokens must be positive")
-        if self.target_impl not in TARGET_IMPLS:
-            raise ValueError(f"target_impl={self.target_impl!r}: choose one of {', '.join(TARGET_IMPLS)}")
-        if not 0 < self.kv_memory_fraction <= 1:
-            raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]")
+    @field_validator("target")
+    @classmethod
+    def _named(cls, value: str) -> str:
+        if not value:
+            raise ValueError("empty: name a target model folder or hub repo id")
+        return value
+
+    @field_validator("kv_block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value <= 0 or value & (value - 1):
+            raise ValueError("must be a positive power of two")
+        return value
+
+    @classmethod
+    def load(cls, flags: dict | None = None, defaults: dict | None = None) -> EngineConfig:
+        """The engine of `dflash generate` / `bench`: `flags` > DFLASH_ENGINE__* > `defaults`."""
+        return cls.from_dict(_layered(defaults, environment().get("engine", {}), flags))
 
 
-TOPOLOGIES = ("split", "colocated")
 # ServeConfig keys only the routers read. A running application takes a change of these in place
 # (Serve's user_config: the routers' reconfigure); any other change rebuilds it and reloads the models.
 ROUTER_SETTINGS = ("max_pending", "default_max_tokens")
 
 
-@dataclass(frozen=True)
-class ServeConfig:
+class ServeConfig(_Config):
     """The served application: the engine plus deployment shape. `dflash serve --config FILE`
     reads it from YAML, and the Helm chart renders the same YAML into serveConfigV2."""
 
-    engine: EngineConfig
-    # split: verifier and drafter are separate actors (the product's shape); colocated: one process.
-    topology: str = "split"
-    num_replicas: int = 1
-    # Above num_replicas: Serve autoscales the verifier between the two, adding a replica while
-    # the replicas average more ongoing requests than engine.max_num_seqs (a full batch). 0: fixed.
-    max_replicas: int = 0
-    # Router (gRPC ingress) replicas, and as above, their autoscaling bound (target: max_pending / 2).
-    router_replicas: int = 1
-    router_max_replicas: int = 0
-    grpc_port: int = 9000
-    # Serve's HTTP port: the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models).
-    http_port: int = 8000
-    metrics_port: int = 8080
-    # The model name the OpenAI API serves and expects in `model`; empty: the target's folder name
-    # for a local folder, else the target as given (a hub id).
-    served_model_name: str = ""
-    # A file of API keys, one a line (the chart mounts a Secret); empty: no authentication. Every
-    # gRPC call and HTTP request but the health checks must then present one.
-    api_keys_file: str = ""
-    # Requests in flight per router replica (each has its own count) before RESOURCE_EXHAUSTED.
-    max_pending: int = 256
-    default_max_tokens: int = 256
-    # GPUs per verifier replica when engine.device is cuda (none on CPU). Its drafter runs on the
-    # same GPU: features reach it by CUDA IPC, which needs one device seen by both processes.
-    verifier_num_gpus: float = 1.0
+    engine: EngineConfig = Field(description="The speculative engine: models, KV cache and scheduler limits.")
+    topology: Topology = Field("split", description="split: verifier and drafter are separate actors (the "
+                               "product's shape); colocated: one process.")
+    num_replicas: int = Field(1, gt=0, description="Verifier replicas.")
+    max_replicas: int = Field(0, ge=0, description="Above num_replicas: Serve autoscales the verifier between the "
+                              "two, adding a replica while the replicas average more ongoing requests than "
+                              "engine.max_num_seqs (a full batch). 0: a fixed count.")
+    router_replicas: int = Field(1, gt=0, description="Router (gRPC and HTTP ingress) replicas.")
+    router_max_replicas: int = Field(0, ge=0, description="Above router_replicas: Serve autoscales the routers "
+                                     "between the two (target: max_pending / 2 ongoing requests). 0: a fixed count.")
+    grpc_port: int = Field(9000, ge=1, le=65535, description="The gRPC API's port (dflash.v1.Generation).")
+    http_port: int = Field(8000, ge=1, le=65535, description="Serve's HTTP port: the OpenAI-compatible API "
+                           "(/v1/chat/completions, /v1/completions, /v1/models).")
+    metrics_port: int = Field(8080, ge=1, le=65535, description="Prometheus metrics (/metrics) of each Ray node.")
+    served_model_name: str = Field("", description="The model name the OpenAI API serves and expects in `model`; "
+                                   "empty: the target's folder name for a local folder, else the target as given "
+                                   "(a hub id).")
+    api_keys_file: str = Field("", description="A file of API keys, one a line (the chart mounts a Secret); empty: "
+                               "no authentication. Every gRPC call and HTTP request but the health checks must then "
+                               "present one.")
+    max_pending: int = Field(256, gt=0, description="Requests in flight per router replica (each has its own count) "
+                             "before RESOURCE_EXHAUSTED.")
+    default_max_tokens: int = Field(256, gt=0, description="Tokens generated for a request that does not say.")
+    verifier_num_gpus: float = Field(1.0, ge=0, description="GPUs per verifier replica when engine.device is cuda "
+                                     "(none on CPU). Its drafter runs on the same GPU: features reach it by CUDA "
+                                     "IPC, which needs one device seen by both processes.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServeConfig:
+        if self.engine.device.startswith("cuda") and self.verifier_num_gpus <= 0:
+            raise ValueError(f"engine.device={self.engine.device} needs verifier_num_gpus > 0")
+        if self.topology == "split" and not self.engine.drafter:
+            raise ValueError("topology=split needs engine.drafter (or use topology=colocated for target-only)")
+        for low, high in (("num_replicas", "max_replicas"), ("router_replicas", "router_max_replicas")):
+            if getattr(self, high) and getattr(self, high) < getattr(self, low):
+                raise ValueError(f"{high}={getattr(self, high)} is below {low}={getattr(self, low)}: "
+                                 f"set it to at least {low} to autoscale, or 0 for a fixed count")
+        return self
 
     @property
     def gpus_per_verifier(self) -> float:
@@ -111,48 +188,25 @@ class ServeConfig:
         return os.path.basename(os.path.normpath(self.engine.target)) if os.path.isdir(self.engine.target) \
             else self.engine.target
 
-    def validate(self) -> None:
-        self.engine.validate()
-        if self.engine.device.startswith("cuda") and self.verifier_num_gpus <= 0:
-            raise ValueError(f"engine.device={self.engine.device} needs verifier_num_gpus > 0")
-        if self.topology not in TOPOLOGIES:
-            raise ValueError(f"topology={self.topology!r}: choose one of {', '.join(TOPOLOGIES)}")
-        if self.topology == "split" and not self.engine.drafter:
-            raise ValueError("topology=split needs engine.drafter (or use topology=colocated for target-only)")
-        if min(self.num_replicas, self.router_replicas, self.max_pending, self.default_max_tokens) < 1:
-            raise ValueError("num_replicas, router_replicas, max_pending and default_max_tokens must be positive")
-        for low, high in (("num_replicas", "max_replicas"), ("router_replicas", "router_max_replicas")):
-            if getattr(self, high) and getattr(self, high) < getattr(self, low):
-                raise ValueError(f"{high}={getattr(self, high)} is below {low}={getattr(self, low)}: "
-                                 f"set it to at least {low} to autoscale, or 0 for a fixed count")
+    @classmethod
+    def load(cls, raw: dict | None = None, flags: dict | None = None, defaults: dict | None = None) -> ServeConfig:
+        """The loading path of `dflash serve` and serveConfigV2: `flags` > DFLASH_* environment >
+        `raw` (a YAML file's mapping, or the application's args) > `defaults` > the fields' own.
+        Nested keys merge: DFLASH_ENGINE__MAX_NUM_SEQS replaces engine.max_num_seqs only."""
+        if raw is not None and not isinstance(raw, dict):
+            raise ValueError("expected a mapping at the top level")
+        return cls.from_dict(_layered(defaults, raw, environment(), flags))
 
     @classmethod
-    def from_dict(cls, raw: dict) -> ServeConfig:
-        """Strict: an unknown key is an error naming it and the known ones (a typo must not be
-        silently ignored, as Ray's own schema does)."""
-        raw = dict(raw or {})
-        engine_raw = raw.pop("engine", None) or {}
-        _check_keys(raw, cls, "", skip={"engine"})
-        _check_keys(engine_raw, EngineConfig, "engine.")
-        config = cls(engine=EngineConfig(**engine_raw), **raw)
-        config.validate()
-        return config
-
-    @classmethod
-    def from_yaml(cls, path: str) -> ServeConfig:
+    def from_yaml(cls, path: str, flags: dict | None = None, defaults: dict | None = None) -> ServeConfig:
         import yaml
 
         with open(path) as f:
             raw = yaml.safe_load(f)
-        if raw is not None and not isinstance(raw, dict):
-            raise ValueError(f"{path}: expected a mapping at the top level")
         try:
-            return cls.from_dict(raw or {})
-        except (TypeError, ValueError) as err:
+            return cls.load(raw, flags, defaults)
+        except ValueError as err:
             raise ValueError(f"{path}: {err}") from err
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
     def router_settings(self) -> dict:
         return {key: getattr(self, key) for key in ROUTER_SETTINGS}
@@ -167,14 +221,67 @@ class ServeConfig:
         for key, value in (settings or {}).items():
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"Router user_config: {key} must be an integer, got {value!r}")
-        config = dataclasses.replace(self, **(settings or {}))
-        config.validate()
-        return config
+        return ServeConfig(**{**dict(self), **(settings or {})})
 
 
-def _check_keys(raw: dict, kind: type, prefix: str, skip: set[str] = frozenset()) -> None:
-    known = {f.name for f in dataclasses.fields(kind)} - set(skip)
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
-                         f"known: {', '.join(prefix + k for k in sorted(known))}")
+def environment() -> dict:
+    """The DFLASH_* variables that name config keys, in ServeConfig's shape. pydantic-settings
+    finds them (case-insensitive, `__` descends into engine) and parses what it can ("64" -> 64,
+    "false" -> False, "null" -> None); the strict models then refuse what it could not."""
+    from pydantic_settings import EnvSettingsSource
+
+    return EnvSettingsSource(ServeConfig, env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_NESTED_DELIMITER,
+                             case_sensitive=False, env_parse_none_str="null")()
+
+
+def _layered(*layers: dict | None) -> dict:
+    """The layers merged, later ones over earlier ones, mappings key by key (None: no layer)."""
+    merged: dict = {}
+    for layer in layers:
+        for key, value in (layer or {}).items():
+            if isinstance(value, dict) and isinstance(merged.get(key), dict):
+                value = _layered(merged[key], value)
+            merged[key] = value
+    return merged
+
+
+def explain(err: ValidationError, model: type[BaseModel]) -> str:
+    """A ValidationError in plain words: each bad key (with its engine. prefix), its value and
+    what is wrong with it; unknown keys with the known ones beside them."""
+    unknown, problems = [], []
+    for error in err.errors():
+        key = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "extra_forbidden":
+            unknown.append(key)
+        elif not key:  # a check across fields (a model validator): its message says it all
+            problems.append(_reason(error, None))
+        elif error["type"] == "missing":
+            problems.append(f"{key} is missing: {_field(model, error['loc']).description}")
+        else:
+            problems.append(f"{key}={error['input']!r}: {_reason(error, _field(model, error['loc']))}")
+    for parent in sorted({key.rpartition(".")[0] for key in unknown}, reverse=True):
+        prefix = parent + "." if parent else ""
+        known = sorted(_model_at(model, tuple(parent.split(".")) if parent else ()).model_fields)
+        problems.insert(0, f"unknown config key(s) {', '.join(k for k in unknown if k.rpartition('.')[0] == parent)}"
+                           f"; known: {', '.join(prefix + name for name in known)}")
+    return "; ".join(problems)
+
+
+def _reason(error: dict, field) -> str:
+    context = error.get("ctx", {})
+    if error["type"] == "literal_error":
+        return "choose one of " + ", ".join(map(str, typing.get_args(field.annotation)))
+    if (error["type"], context) in (("greater_than", {"gt": 0}), ("greater_than_equal", {"ge": 1})):
+        return "must be positive"
+    message = error["msg"].removeprefix("Value error, ")
+    return message.replace("Input should be", "must be").replace("String should", "must")
+
+
+def _model_at(model: type[BaseModel], path: tuple) -> type[BaseModel]:
+    for name in path:
+        model = model.model_fields[name].annotation
+    return model
+
+
+def _field(model: type[BaseModel], loc: tuple):
+    return _model_at(model, loc[:-1]).model_fields[loc[-1]]

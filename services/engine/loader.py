@@ -74,7 +74,6 @@ def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions
 
 
 def build_engine(config: EngineConfig) -> Engine:
-    config.validate()
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     drafter = load_drafter(config.drafter, dtype=dtype, device=device) if config.drafter else None

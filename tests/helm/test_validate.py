@@ -160,4 +160,4 @@ def test_replica_bounds_become_serve_autoscaling_aimed_at_a_full_batch(tmp_path,
     assert fixed._deployment_config.autoscaling_config is None and fixed.num_replicas == 1
     assert fixed.init_args[0]._bound_deployment.num_replicas == 3
     with pytest.raises(ValueError, match="max_replicas=2 is below num_replicas=3"):
-        ServeConfig(engine=EngineConfig(target="t", drafter="d"), num_replicas=3, max_replicas=2).validate()
+        ServeConfig(engine=EngineConfig(target="t", drafter="d"), num_replicas=3, max_replicas=2)

@@ -250,4 +250,4 @@ def test_rope_that_changes_with_the_sequence_stays_on_transformers():
 
 def test_target_impl_is_validated():
     with pytest.raises(ValueError, match="target_impl='fast': choose one of auto, fused, transformers"):
-        EngineConfig(target="t", target_impl="fast").validate()
+        EngineConfig(target="t", target_impl="fast")
