@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from services.config import TARGET_IMPLS
+from services.config import SPECULATION_MODES, TARGET_IMPLS
 
 TARGET_IMPL_HELP = "the target's forward: fused layers (Llama, Qwen2, Qwen3), transformers' layer code, or auto"
 SYNC_ROUNDS_HELP = "wait for each round's results before launching the next (async_scheduling off)"
@@ -287,7 +287,8 @@ def _bench(args: argparse.Namespace) -> int:
             engine = build_engine(EngineConfig(target=target, drafter=drafter, device=args.device, dtype=args.dtype,
                                                max_num_seqs=most, cuda_graphs=not args.eager,
                                                target_impl=args.target_impl,
-                                               async_scheduling=not args.sync_rounds))
+                                               async_scheduling=not args.sync_rounds,
+                                               speculation=args.speculation))
             backend = EmbeddedBackend(engine)
         elif args.backend == "openai":
             if args.tokenizer:
@@ -436,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--target-impl", default="auto", choices=TARGET_IMPLS, help=TARGET_IMPL_HELP)
     bench.add_argument("--eager", action="store_true", help="embedded: no CUDA graphs")
     bench.add_argument("--sync-rounds", action="store_true", help="embedded: " + SYNC_ROUNDS_HELP)
+    bench.add_argument("--speculation", default="adaptive", choices=SPECULATION_MODES,
+                       help="embedded: drafts verified per round: adaptive (chosen per round from load and measured "
+                            "acceptance) or fixed (all B-1); --drafter none benchmarks AR")
     bench.add_argument("--dataset", default="random",
                        help="comma-separated: random (--input-len token ids drawn from the vocabulary, "
                             "--output-len tokens asked), or a set read from --data-dir: humaneval, gsm8k, math500, "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 
 TARGET_IMPLS = ("auto", "fused", "transformers")
+SPECULATION_MODES = ("adaptive", "fixed")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,15 @@ class EngineConfig:
     # shared between requests and kept after they finish until evicted: a prompt that starts
     # like an earlier one (a system prompt, the conversation so far) skips prefilling that part.
     enable_prefix_caching: bool = True
+    # How many of the drafter's B−1 drafts a round verifies (it still drafts them all; 0 = a
+    # plain AR step). adaptive: per round, the k that maximises the batch's expected tokens per
+    # second, from verify/draft costs measured at start-up and acceptance measured online;
+    # fixed: always B−1 (every draft).
+    speculation: str = "adaptive"
+    # Batch size -> k, overriding `speculation` (like vLLM's num_speculative_tokens per batch
+    # size): a batch of n runs the k of the largest key <= n; below the smallest key, the policy.
+    # E.g. {1: 15, 8: 7, 32: 0}. Each value is also captured as a CUDA graph bucket.
+    num_speculative_tokens_per_batch_size: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def validate(self) -> None:
         if not self.target:
@@ -60,6 +70,12 @@ class EngineConfig:
             raise ValueError(f"target_impl={self.target_impl!r}: choose one of {', '.join(TARGET_IMPLS)}")
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]")
+        if self.speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation={self.speculation!r}: choose one of {', '.join(SPECULATION_MODES)}")
+        for n, k in dict(self.num_speculative_tokens_per_batch_size).items():
+            if not str(n).isdigit() or int(n) < 1 or not isinstance(k, int) or isinstance(k, bool) or k < 0:
+                raise ValueError(f"num_speculative_tokens_per_batch_size: {n!r}: {k!r} must map a batch size >= 1 "
+                                 "to a number of draft tokens >= 0 (k above the drafter's B-1 is capped at B-1)")
 
 
 TOPOLOGIES = ("split", "colocated")

@@ -17,18 +17,22 @@ import types
 import typing
 from pathlib import Path
 
-from services.config import TARGET_IMPLS, TOPOLOGIES, ServeConfig
+from services.config import SPECULATION_MODES, TARGET_IMPLS, TOPOLOGIES, ServeConfig
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "helm" / "dflash-serve" / "values.schema.json"
 # Set by the chart from its `ports` values, so that the pods' config names the ports they listen on.
 CHART_OWNED = {"grpc_port": "ports.grpc", "http_port": "ports.http", "metrics_port": "ports.metrics"}
-ENUMS = {"topology": list(TOPOLOGIES), "target_impl": list(TARGET_IMPLS)}
+ENUMS = {"topology": list(TOPOLOGIES), "target_impl": list(TARGET_IMPLS), "speculation": list(SPECULATION_MODES)}
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
 
 
 def _field_schema(name: str, hint) -> dict:
     if name in ENUMS:
         return {"enum": ENUMS[name]}
+    if typing.get_origin(hint) is dict:  # integer keys (batch sizes): JSON object keys are strings
+        key, value = typing.get_args(hint)
+        return {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                "additionalProperties": {"type": JSON_TYPES[value]}}
     members = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     names = [JSON_TYPES[m] for m in members]
     return {"type": names[0] if len(names) == 1 else names}
