@@ -585,28 +585,44 @@ class Engine:
                  sizes, list(policy.ks))
 
     def _time_eager_rounds(self, context: int) -> tuple[list[int], dict, list[float] | None]:
+        """Eager forwards at batch sizes 1 and 4 only: without graphs a forward's time is its
+        launches plus work linear in its tokens, so `RoundCosts` extrapolates larger batches
+        along the line through those two — and start-up stays short on a CPU, where a forward of
+        a full batch of full blocks would take seconds."""
         block, page, device = self.block_size, self.allocator.block_size, self.device
-        sizes = sorted({n for n in (1, 4, self.config.max_num_seqs) if n <= self.config.max_num_seqs})
+        sizes = sorted({min(n, self.config.max_num_seqs) for n in (1, 4)})
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         table: list[int] = []
         self.allocator.grow(table, context + block)
         verify: dict[int, list[float]] = {k: [] for k in self.speculation.ks}
         draft: list[float] | None = None if self._drafts_remotely else []
+
+        def shapes(n: int, width: int):
+            tables = torch.tensor([table] * n, dtype=torch.int32, device=device)
+            starts = torch.full((n,), context, dtype=torch.long, device=device)
+            batch = AttentionBatch.for_round(tables, starts, width, page)
+            positions = (starts[:, None] + torch.arange(width, device=device)).flatten()
+            return torch.zeros(n * width, dtype=torch.long, device=device), starts, positions, batch
+
+        def verify_call(n: int, k: int):
+            ids, _, positions, batch = shapes(n, k + 1)
+            rows = torch.arange(n * (k + 1), device=device)
+            return lambda: self.runner.forward(ids, positions, batch, rows)
+
+        def draft_call(n: int):
+            ids, starts, _, batch = shapes(n, block)
+            return lambda: self.proposer.propose((), ids[:n], starts, batch)
+
         try:
             with torch.inference_mode():
+                verify_call(sizes[-1], block - 1)()  # first calls allocate and pick kernels: once
+                if draft is not None:
+                    draft_call(sizes[-1])()
                 for n in sizes:
-                    tables = torch.tensor([table] * n, dtype=torch.int32, device=device)
-                    starts = torch.full((n,), context, dtype=torch.long, device=device)
                     for k in verify:
-                        batch = AttentionBatch.for_round(tables, starts, k + 1, page)
-                        positions = (starts[:, None] + torch.arange(k + 1, device=device)).flatten()
-                        ids = torch.zeros(n * (k + 1), dtype=torch.long, device=device)
-                        rows = torch.arange(n * (k + 1), device=device)
-                        verify[k].append(time_call(lambda: self.runner.forward(ids, positions, batch, rows), sync))
+                        verify[k].append(time_call(verify_call(n, k), sync, warm_up=False))
                     if draft is not None:
-                        batch = AttentionBatch.for_round(tables, starts, block, page)
-                        bonus = torch.zeros(n, dtype=torch.long, device=device)
-                        draft.append(time_call(lambda: self.proposer.propose((), bonus, starts, batch), sync))
+                        draft.append(time_call(draft_call(n), sync, warm_up=False))
         finally:
             self.allocator.release(table)
         return sizes, verify, draft

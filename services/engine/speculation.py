@@ -144,12 +144,14 @@ class RoundCosts:
         self.draft[at] = scaled if old == 0.0 else old + self.draft_rate * (scaled - old)
 
 
-def time_call(run: Callable[[], None], sync: Callable[[], None], *, reps: int = 3, budget_s: float = 0.05) -> float:
+def time_call(run: Callable[[], None], sync: Callable[[], None], *, reps: int = 3, budget_s: float = 0.02,
+              warm_up: bool = True) -> float:
     """Seconds one call of `run` takes: a warm-up, then the minimum over up to `reps` timed calls
     (fewer when one takes longer than `budget_s`). The minimum, not the mean: on a shared CPU
     other processes only ever add time, so the fastest call is the least disturbed."""
-    run()
-    sync()
+    if warm_up:
+        run()
+        sync()
     best = math.inf
     for _ in range(reps):
         t0 = time.perf_counter()

@@ -102,13 +102,15 @@ def test_the_adaptive_policy_is_lossless_on_measured_costs(pair, references):
     costs = engine.speculation.costs
     assert costs is not None and costs.measured_draft
     assert costs.ks == engine.speculation.ks == (0, 1, 3, 5)
-    assert costs.batch_sizes == [1, 4, 8]  # 1, 4 and max_num_seqs
+    assert costs.batch_sizes == [1, 4]  # eager: larger batches extrapolated
     assert all(s > 0 for k in costs.ks for s in costs.verify[k])
     done = engine.generate(PROMPTS, _params())
     _check_lossless(engine, done, references, target)
-    assert {r.k for r in engine.round_log} <= set(costs.ks)
-    # The untrained drafter's acceptance was measured (the prior was 0.9).
-    assert engine.speculation.tracker.trials[0] > 0
+    ks = {r.k for r in engine.round_log}
+    assert ks <= set(costs.ks)
+    # Whether drafting pays on this CPU's measured costs varies; where a round drafted, the
+    # untrained drafter's acceptance was measured.
+    assert (max(ks) > 0) == (engine.speculation.tracker.trials[0] > 0)
 
 
 def test_adaptive_rounds_follow_load_and_acceptance_with_known_costs(pair):
