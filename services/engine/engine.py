@@ -458,7 +458,7 @@ class Engine:
             accepted = torch.zeros(n, dtype=torch.long, device=self.device)
         else:
             accepted = accept_drafts(drafts, target_tokens)
-        if self.synthetic_tau is not None:
+        if self.synthetic_tau is not None and k:  # an AR round accepts nothing, and owes nothing
             accepted = torch.full_like(accepted, self._synthetic_accept_length(width))
         if min(verified) < k:
             accepted = accepted.minimum(torch.tensor(verified, dtype=torch.long, device=self.device))
