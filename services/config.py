@@ -24,8 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 TargetImpl = Literal["auto", "fused", "transformers"]
 Topology = Literal["split", "colocated"]
+Speculation = Literal["adaptive", "fixed"]
 TARGET_IMPLS = typing.get_args(TargetImpl)
 TOPOLOGIES = typing.get_args(Topology)
+SPECULATION_MODES = typing.get_args(Speculation)
 # DFLASH_TOPOLOGY=colocated, DFLASH_ENGINE__MAX_NUM_SEQS=64: the prefix, then the key path joined by __.
 ENV_PREFIX = "DFLASH_"
 ENV_NESTED_DELIMITER = "__"
@@ -108,6 +110,14 @@ class EngineConfig(_Config):
                                         "the drafter's) keyed by content, shared between requests and kept after "
                                         "they finish until evicted: a prompt that starts like an earlier one (a "
                                         "system prompt, the conversation so far) skips prefilling that part.")
+    speculation: Speculation = Field("adaptive", description="How many of the drafter's B-1 drafts a round verifies "
+                                     "(it still drafts them all; 0 = a plain AR step). adaptive: per round, the k that "
+                                     "maximises the batch's expected tokens per second, from verify/draft costs "
+                                     "measured at start-up and acceptance measured online; fixed: always B-1.")
+    num_speculative_tokens_per_batch_size: dict[int, int] = Field(
+        default_factory=dict, description="Batch size -> k, overriding `speculation` (like vLLM's "
+        "num_speculative_tokens per batch size): a batch of n runs the k of the largest key <= n; below the smallest "
+        "key, the policy. E.g. {1: 15, 8: 7, 32: 0}. Each value is also captured as a CUDA graph bucket.")
 
     @field_validator("target")
     @classmethod
@@ -115,6 +125,20 @@ class EngineConfig(_Config):
         if not value:
             raise ValueError("empty: name a target model folder or hub repo id")
         return value
+
+    @field_validator("num_speculative_tokens_per_batch_size", mode="before")
+    @classmethod
+    def _batch_sizes(cls, value):
+        """Batch size >= 1 -> draft tokens >= 0; keys may come as strings (YAML through Helm)."""
+        if not isinstance(value, dict):
+            return value  # pydantic names the type error
+        table = {}
+        for n, k in value.items():
+            if not str(n).isdigit() or int(n) < 1 or not isinstance(k, int) or isinstance(k, bool) or k < 0:
+                raise ValueError(f"{n!r}: {k!r} must map a batch size >= 1 to a number of draft tokens >= 0 "
+                                 "(k above the drafter's B-1 is capped at B-1)")
+            table[int(n)] = k
+        return table
 
     @field_validator("kv_block_size")
     @classmethod

@@ -33,6 +33,7 @@ LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15
                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0]
 STEP_BUCKETS = [0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0]
 ACCEPTANCE_BUCKETS = [float(i) + 0.5 for i in range(1, 33)]  # τ per round is an integer 1..B
+K_BUCKETS = [float(i) + 0.5 for i in range(0, 32)]  # k per round is an integer 0..B−1
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ SPECS = (
     MetricSpec("dflash_spec_decode_num_accepted_tokens_per_pos", "counter",
                "Accepted draft tokens by draft position (0 = first draft).", ("position",),
                vllm=("vllm:spec_decode_num_accepted_tokens_per_pos",)),
+    MetricSpec("dflash_spec_decode_tokens_per_round", "histogram",
+               "Draft tokens a round verified (k; 0 = an AR step), per round while a drafter serves.",
+               buckets=tuple(K_BUCKETS)),
     MetricSpec("dflash_acceptance_length", "histogram", "Tokens committed per round, bonus included (tau).",
                buckets=tuple(ACCEPTANCE_BUCKETS)),
     MetricSpec("dflash_step_phase_seconds", "histogram", "Time per engine step phase.", ("phase",),

@@ -265,6 +265,7 @@ class EmbeddedBackend:
     def describe(self) -> dict:
         cfg = self.engine.config
         return {"backend": "embedded", "target": cfg.target, "drafter": cfg.drafter or "",
+                "speculation": cfg.speculation if cfg.drafter else "none (AR)",
                 "block_size": self.engine.block_size, "device": str(self.engine.device),
                 "vocab_size": self.engine.vocab_size}
 

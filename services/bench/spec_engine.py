@@ -28,7 +28,7 @@ import time
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from services.config import EngineConfig
+from services.config import SPECULATION_MODES, EngineConfig
 from services.engine.loader import assemble_engine
 from services.engine.sampling import SamplingParams
 from services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel
@@ -129,15 +129,17 @@ def run_case(engine, batch: int, prompt_len: int, max_tokens: int, census: bool 
         running = engine.scheduler.running
         bucket = engine.graphs.load([s.bonus for s in running], [s.num_cached for s in running],
                                     [s.block_table for s in running])
-        forwards["verify_fwd_ms"] = time_replay(lambda: engine.graphs.verify(bucket))
+        k = max(engine.graphs.k_buckets)  # the full block's verify (0 for AR)
+        forwards["verify_fwd_ms"] = time_replay(lambda: engine.graphs.verify(bucket, k))
         if census:  # at the run's real contexts: attention's share grows with them
-            forwards["verify_census"] = kernel_census(lambda: engine.graphs.verify(bucket), top=12)
+            forwards["verify_census"] = kernel_census(lambda: engine.graphs.verify(bucket, k), top=12)
         if engine.graphs.proposer is not None:  # captured here (not a drafter in another process)
             forwards["draft_fwd_ms"] = time_replay(lambda: engine.graphs.draft(bucket))
             if census:
                 forwards["draft_census"] = kernel_census(lambda: engine.graphs.draft(bucket), top=12)
     out0 = sum(len(s.output_ids) for s in engine.scheduler.running)
     engine.timings = type(engine.timings)()
+    engine.round_log.clear()
     steps, t0 = 0, time.perf_counter()
     while engine.has_unfinished():
         engine.step()
@@ -152,8 +154,9 @@ def run_case(engine, batch: int, prompt_len: int, max_tokens: int, census: bool 
     # Per round: device times of the phases (CUDA events) and the host's time on the round.
     tm = engine.timings
     phases = {k: round(1e3 * getattr(tm, k) / max(tm.rounds, 1), 4) for k in ("draft", "verify", "accept", "host")}
+    ks = [r.k for r in engine.round_log]  # drafts verified per round (the adaptive policy's choices)
     return {"tok_s": produced / elapsed, "step_ms": 1e3 * elapsed / max(steps, 1), "steps": steps, "tau": tau,
-            "phases_ms": phases, **forwards}
+            "mean_k": sum(ks) / len(ks) if ks else 0.0, "phases_ms": phases, **forwards}
 
 
 def profile_steps(engine, batch: int, prompt_len: int) -> None:
@@ -181,10 +184,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="the target's forward (EngineConfig.target_impl)")
     parser.add_argument("--async-scheduling", default="on", choices=["on", "off"],
                         help="chain rounds on the device (EngineConfig.async_scheduling)")
+    parser.add_argument("--speculation", default="fixed,adaptive",
+                        help="comma-separated EngineConfig.speculation modes of the DFlash rows (fixed: all B-1 "
+                             "drafts verified every round; adaptive: the load-adaptive policy); AR rows always run")
     args = parser.parse_args(argv)
     device = "cuda"
     batches = [int(b) for b in args.batches.split(",")]
     taus = [float(t) for t in args.taus.split(",")]
+    modes = args.speculation.split(",")
+    if not set(modes) <= set(SPECULATION_MODES):
+        parser.error(f"--speculation: choose among {', '.join(SPECULATION_MODES)}")
 
     hf, drafter = build_models(device)
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
@@ -213,25 +222,26 @@ def main(argv: list[str] | None = None) -> int:
         del ar
         torch.cuda.empty_cache()
 
-        target = TargetModel(hf, drafter.config.target_layer_ids)
-        spec = assemble_engine(base, target, drafter)
-        spec.synthetic_tau = taus[0]
-        run_case(spec, batch, args.prompt_len, 40)  # warm-up
-        for tau in taus:
-            spec.synthetic_tau = tau
-            row = {"mode": "DFlash", "batch": batch, "synthetic": True, "target_tau": tau,
-                   **run_case(spec, batch, args.prompt_len, args.max_tokens, census=tau == taus[0])}
-            if "verify_census" in row:
-                print(f"DFlash batch {batch} verify census: {json.dumps(row['verify_census'])}\n"
-                      f"DFlash batch {batch} draft census: {json.dumps(row['draft_census'])}", flush=True)
-            row["step_over_fwd"] = row["step_ms"] / (row["verify_fwd_ms"] + row["draft_fwd_ms"])
-            results["rows"].append(row)
-            print(json.dumps(row), flush=True)
-        if args.profile and batch == batches[-1]:
-            profile_steps(spec, batch, args.prompt_len)
-        target.close()
-        del spec
-        torch.cuda.empty_cache()
+        for mode in modes:
+            target = TargetModel(hf, drafter.config.target_layer_ids)
+            spec = assemble_engine(base.model_copy(update={"speculation": mode}), target, drafter)
+            spec.synthetic_tau = taus[0]
+            run_case(spec, batch, args.prompt_len, 40)  # warm-up
+            for tau in taus:
+                spec.synthetic_tau = tau
+                row = {"mode": f"DFlash {mode}", "batch": batch, "synthetic": True, "target_tau": tau,
+                       **run_case(spec, batch, args.prompt_len, args.max_tokens, census=tau == taus[0])}
+                if "verify_census" in row:
+                    print(f"DFlash {mode} batch {batch} verify census: {json.dumps(row['verify_census'])}\n"
+                          f"DFlash {mode} batch {batch} draft census: {json.dumps(row['draft_census'])}", flush=True)
+                row["step_over_fwd"] = row["step_ms"] / (row["verify_fwd_ms"] + row["draft_fwd_ms"])
+                results["rows"].append(row)
+                print(json.dumps(row), flush=True)
+            if args.profile and batch == batches[-1]:
+                profile_steps(spec, batch, args.prompt_len)
+            target.close()
+            del spec
+            torch.cuda.empty_cache()
 
     print(markdown_table(results))
     for r in results["rows"]:
@@ -248,19 +258,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown_table(results: dict) -> str:
     lines = [
-        "| mode | batch | τ | tok/s | step ms | verify fwd ms | draft fwd ms | step / (verify+draft) "
+        "| mode | batch | τ | mean k | tok/s | step ms | verify fwd ms | draft fwd ms | step / (verify+draft) "
         "| per round: draft / verify / accept (device) / host ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
         p = r["phases_ms"]
         phases = f"{p['draft']:.2f} / {p['verify']:.2f} / {p['accept']:.2f} / {p['host']:.2f}"
         if r["mode"] == "AR":
-            lines.append(f"| AR | {r['batch']} | 1 | {r['tok_s']:.1f} | {r['step_ms']:.2f} | {r['verify_fwd_ms']:.2f} | - | "
+            lines.append(f"| AR | {r['batch']} | 1 | 0 | {r['tok_s']:.1f} | {r['step_ms']:.2f} | {r['verify_fwd_ms']:.2f} | - | "
                          f"{r['step_ms'] / r['verify_fwd_ms']:.2f} | {phases} |")
         else:
             lines.append(
-                f"| DFlash (SYNTHETIC τ={r['target_tau']:g}) | {r['batch']} | {r['tau']:.2f} | {r['tok_s']:.1f} | "
+                f"| {r['mode']} (SYNTHETIC τ={r['target_tau']:g}) | {r['batch']} | {r['tau']:.2f} | {r['mean_k']:.1f} | "
+                f"{r['tok_s']:.1f} | "
                 f"{r['step_ms']:.2f} | {r['verify_fwd_ms']:.2f} | {r['draft_fwd_ms']:.2f} | {r['step_over_fwd']:.2f} | "
                 f"{phases} |"
             )

@@ -69,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def config(batch: int) -> EngineConfig:
         blocks = batch * (-(-(args.prompt_len + args.max_tokens + 32) // 16)) + 64
+        # fixed: both topologies verify every draft, so they differ by the transport alone
         return EngineConfig(target="random-qwen3-8b", device="cuda", num_kv_blocks=blocks, max_num_seqs=batch,
-                            max_prefill_tokens=8192)
+                            max_prefill_tokens=8192, speculation="fixed")
 
     def measure(engine, mode: str, batch: int) -> dict:
         engine.synthetic_tau = args.tau

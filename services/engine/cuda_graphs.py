@@ -9,19 +9,36 @@ The host fills three static buffers per round — bonus tokens, start positions 
 (and, for a drafter in another process, a fourth: its drafts, copied on the device) and everything else (positions, slots, sequence lengths, block ids) is computed inside the
 graphs. Batches smaller than their bucket are padded with rows that point at reserved scratch
 blocks, so their writes never touch a real sequence's KV.
+
+A round verifies k of the B−1 drafts (services.engine.speculation): the verify and the context
+injection are captured per k bucket of each batch bucket (k = 0 verifies the bonus token alone),
+the draft once per batch bucket (it always drafts the whole block).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from services.engine.draft_runner import DraftRunner
 from services.engine.kv_cache import AttentionBatch
+from services.engine.speculation import time_call
 from services.engine.target_runner import TargetRunner
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass
+class _Verify:
+    """A bucket's verify of k drafts per sequence (k+1 tokens) and its context injection."""
+
+    k: int
+    logits: torch.Tensor | None = None
+    features: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+    inject_graph: torch.cuda.CUDAGraph | None = None
 
 
 @dataclass
@@ -31,12 +48,8 @@ class _Bucket:
     starts: torch.Tensor  # [n] long
     block_tables: torch.Tensor  # [n, max_blocks] int32
     drafts: torch.Tensor | None = None  # the draft graph's output, or a remote drafter's (copied in)
-    logits: torch.Tensor | None = None
-    features: torch.Tensor | None = None
-    slots: torch.Tensor | None = None
     draft_graph: torch.cuda.CUDAGraph | None = None
-    verify_graph: torch.cuda.CUDAGraph | None = None
-    inject_graph: torch.cuda.CUDAGraph | None = None
+    verified: dict[int, _Verify] = field(default_factory=dict)  # by k
     host_ids: torch.Tensor | None = None  # pinned [2, n]: bonus, starts
     host_tables: torch.Tensor | None = None  # pinned [n, max_blocks]
     staged: torch.cuda.Event | None = None
@@ -45,14 +58,18 @@ class _Bucket:
 class RoundGraphs:
     def __init__(self, runner: TargetRunner | None, proposer: DraftRunner | None, *, block: int, kv_block_size: int,
                  max_blocks: int, scratch_blocks: list[int], buckets: tuple[int, ...] = DEFAULT_BUCKETS,
-                 external_drafts: bool = False):
+                 external_drafts: bool = False, k_buckets: tuple[int, ...] | None = None):
         """With `proposer` the draft forward is captured too; with `external_drafts` (block > 1, no
         proposer) the verify reads drafts the host loads (`load_drafts`); else the graphs decode AR.
-        Without `runner` (a drafter serving another process's verifier) only the draft is captured."""
+        Without `runner` (a drafter serving another process's verifier) only the draft is captured.
+        `k_buckets`: the numbers of drafts a verify may take (default: all B−1 only; AR: 0)."""
         self.runner = runner
         self.proposer = proposer
         self.external_drafts = external_drafts
         self.block = block
+        self.k_buckets = tuple(sorted(k_buckets if k_buckets is not None else {block - 1}))
+        if any(not 0 <= k < block for k in self.k_buckets):
+            raise ValueError(f"k buckets {self.k_buckets} must lie in 0..{block - 1}")
         self.kv_block_size = kv_block_size
         self.max_blocks = max_blocks
         self.device = runner.target.device if runner is not None else proposer.drafter.device
@@ -71,33 +88,37 @@ class RoundGraphs:
     def max_batch(self) -> int:
         return self.buckets[-1]
 
-    def _batch(self, bucket: _Bucket) -> AttentionBatch:
-        """The round's attention metadata, computed on the GPU from the static buffers."""
-        return AttentionBatch.for_round(bucket.block_tables, bucket.starts, self.block, self.kv_block_size,
-                                        self._query_start[bucket.size])
+    def _batch(self, bucket: _Bucket, width: int) -> AttentionBatch:
+        """The attention metadata of `width` new tokens per sequence, computed on the GPU from the
+        static buffers."""
+        return AttentionBatch.for_round(bucket.block_tables, bucket.starts, width, self.kv_block_size,
+                                        self._query_start[bucket.size, width])
 
     def _draft(self, bucket: _Bucket) -> None:
-        bucket.drafts = self.proposer.propose((), bucket.bonus, bucket.starts, self._batch(bucket))
+        bucket.drafts = self.proposer.propose((), bucket.bonus, bucket.starts, self._batch(bucket, self.block))
 
-    def _verify(self, bucket: _Bucket) -> None:
+    def _verify(self, bucket: _Bucket, out: _Verify) -> None:
         ids = bucket.bonus[:, None]
-        if bucket.drafts is not None:
-            ids = torch.cat([ids, bucket.drafts], dim=1)
-        positions = bucket.starts[:, None] + self._offsets
-        rows = torch.arange(bucket.size * self.block, device=self.device)
-        batch = self._batch(bucket)
-        bucket.slots = batch.slot_mapping
-        bucket.logits, bucket.features = self.runner.forward(ids.flatten(), positions.flatten(), batch, rows)
+        if out.k:
+            ids = torch.cat([ids, bucket.drafts[:, : out.k]], dim=1)
+        width = out.k + 1
+        positions = bucket.starts[:, None] + self._offsets[:width]
+        rows = torch.arange(bucket.size * width, device=self.device)
+        batch = self._batch(bucket, width)
+        out.slots = batch.slot_mapping
+        out.logits, out.features = self.runner.forward(ids.flatten(), positions.flatten(), batch, rows)
 
-    def _inject(self, bucket: _Bucket) -> None:
-        """Every slot's feature row into the drafter's context, accepted or not (Engine: the rows
-        past the accepted ones are overwritten by the next draft before it reads them)."""
-        positions = bucket.starts[:, None] + self._offsets
-        self.proposer.inject_context(bucket.features, positions.flatten(), bucket.slots)
+    def _inject(self, bucket: _Bucket, out: _Verify) -> None:
+        """Every verified slot's feature row into the drafter's context, accepted or not (Engine:
+        the rows past the accepted ones are overwritten by the next draft before it reads them)."""
+        positions = bucket.starts[:, None] + self._offsets[: out.k + 1]
+        self.proposer.inject_context(out.features, positions.flatten(), out.slots)
 
     def _capture(self, size: int) -> _Bucket:
         device = self.device
-        self._query_start[size] = torch.arange(0, (size + 1) * self.block, self.block, dtype=torch.int32, device=device)
+        for width in {self.block} | {k + 1 for k in self.k_buckets}:
+            self._query_start[size, width] = torch.arange(0, (size + 1) * width, width, dtype=torch.int32,
+                                                          device=device)
         bucket = _Bucket(
             size=size,
             bonus=torch.zeros(size, dtype=torch.long, device=device),
@@ -108,31 +129,34 @@ class RoundGraphs:
             host_tables=self.scratch_row.repeat(size, 1).pin_memory(),
             staged=torch.cuda.Event(),
         )
+        if self.runner is not None:
+            bucket.verified = {k: _Verify(k) for k in self.k_buckets}
+        inject = self.runner is not None and self.proposer is not None
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # warm-up compiles the Triton kernels outside capture
             for _ in range(2):
                 if self.proposer is not None:
                     self._draft(bucket)
-                if self.runner is not None:
-                    self._verify(bucket)
-                if self.runner is not None and self.proposer is not None:
-                    self._inject(bucket)
+                for out in bucket.verified.values():
+                    self._verify(bucket, out)
+                    if inject:
+                        self._inject(bucket, out)
         torch.cuda.current_stream(device).wait_stream(stream)
         if self.proposer is not None:
             bucket.draft_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(bucket.draft_graph, pool=self._pool):
                 self._draft(bucket)
-        if self.runner is not None:
-            bucket.verify_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(bucket.verify_graph, pool=self._pool):
-                self._verify(bucket)
-        if self.runner is not None and self.proposer is not None:
-            # Its own graph, so that a verify replay times the target's forward alone; eager,
-            # its ~10 launches (2 of them Triton's) cost ~0.3 ms of host time a round.
-            bucket.inject_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(bucket.inject_graph, pool=self._pool):
-                self._inject(bucket)
+        for out in sorted(bucket.verified.values(), key=lambda o: -o.k):  # largest first, as the buckets
+            out.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(out.graph, pool=self._pool):
+                self._verify(bucket, out)
+            if inject:
+                # Its own graph, so that a verify replay times the target's forward alone; eager,
+                # its ~10 launches (2 of them Triton's) cost ~0.3 ms of host time a round.
+                out.inject_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(out.inject_graph, pool=self._pool):
+                    self._inject(bucket, out)
         return bucket
 
     def fits(self, proposer, block: int) -> bool:
@@ -199,11 +223,29 @@ class RoundGraphs:
     def draft(self, bucket: _Bucket) -> None:
         bucket.draft_graph.replay()
 
-    def verify(self, bucket: _Bucket) -> None:
-        bucket.verify_graph.replay()
+    def verify(self, bucket: _Bucket, k: int) -> _Verify:
+        """Replay the verify of k drafts per sequence; its outputs are the returned buffers."""
+        out = bucket.verified[k]
+        out.graph.replay()
+        return out
 
-    def inject(self, bucket: _Bucket) -> None:
-        bucket.inject_graph.replay()
+    def inject(self, bucket: _Bucket, k: int) -> None:
+        bucket.verified[k].inject_graph.replay()
+
+    def time_round(self, context: int, reps: int = 5) -> dict:
+        """Seconds of each bucket's replays with every sequence at position `context` (through the
+        scratch blocks: nothing real is read or written): {"verify": {size: {k: s}}, "draft":
+        {size: s}} (draft only where captured here). For the engine's cost model."""
+        sync = torch.cuda.synchronize
+        out = {"verify": {}, "draft": {}}
+        for size, bucket in self._captured.items():
+            bucket.starts.fill_(context)
+            bucket.block_tables.copy_(self.scratch_row.to(self.device).expand_as(bucket.block_tables))
+            out["verify"][size] = {k: time_call(v.graph.replay, sync, reps=reps) for k, v in bucket.verified.items()}
+            if bucket.draft_graph is not None:
+                out["draft"][size] = time_call(bucket.draft_graph.replay, sync, reps=reps)
+            bucket.starts.zero_()
+        return out
 
 
 class InjectionGraphs:

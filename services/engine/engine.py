@@ -3,13 +3,16 @@
 One step = prefill chunks for new sequences, then one speculative round for every decoding
 sequence (spec §3):  draft → verify → accept → commit → trim.
 
-- draft: the proposer drafts B−1 tokens after each bonus token (positions s+1..s+B−1);
-- verify: one target forward over [bonus, drafts] at positions s..s+B−1 (paged KV, causal);
+- k: how many drafts the round verifies, 0..B−1 (`SpeculationPolicy`: adaptive to the batch
+  size, the measured acceptance and the measured costs, or fixed, or a static table);
+- draft: the proposer drafts B−1 tokens after each bonus token (positions s+1..s+B−1); the
+  first k are verified (k = 0: no draft forward, a plain AR step);
+- verify: one target forward over [bonus, k drafts] at positions s..s+k (paged KV, causal);
 - accept: the target samples every slot (greedy or seeded sampling); drafts are accepted while
   they equal those samples, so every emitted token is the target's own;
 - commit: the a+1 emitted tokens go through the stop checker (which may end the request inside
   the block); the target cache keeps s..s+a, and feature rows of slots 0..a — only those —
-  become the drafter's next context;
+  become the drafter's next context (also after k = 0, so later rounds can draft);
 - trim: blocks past the cached positions go back to the pool.
 
 Chained rounds (`EngineConfig.async_scheduling`, on a GPU): accept runs on the device, and its
@@ -44,10 +47,14 @@ from services.engine.kv_cache import AttentionBatch, BlockAllocator
 from services.engine.request import RequestOutput, Sequence, SequenceStatus
 from services.engine.sampling import SamplingBatch, SamplingParams, accept_drafts, resolve_seed, sample_tokens
 from services.engine.scheduler import PrefillChunk, Scheduler
+from services.engine.speculation import RoundCosts, SpeculationPolicy, time_call
 from services.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
 from services.engine.target_runner import TargetRunner
 
 log = logging.getLogger(__name__)
+# Where every sequence sits when round costs are measured: attention's share of a verify grows
+# with the context; this is a short chat's.
+COST_CONTEXT = 256
 
 
 @dataclass
@@ -95,8 +102,10 @@ class _Round:
 
     seqs: list[Sequence]
     proposer: Proposer | None
-    drafted: bool
-    results: torch.Tensor  # [n, 1+B] on the host: accepted drafts, then the target's token per slot
+    k: int  # drafts verified per sequence (0: an AR step)
+    verified: list[int]  # per sequence: min(k, its own limit), the drafts it may accept
+    drafted_remotely: bool  # by a drafter in another process (its draft time is learnt from rounds)
+    results: torch.Tensor  # [n, 1+k+1] on the host: accepted drafts, then the target's token per slot
     ready: torch.cuda.Event | None  # recorded after the copy of `results` (None: nothing to wait for)
     next_bonus: torch.Tensor  # [n] on the device: where a round chained after this one starts
     next_starts: torch.Tensor
@@ -108,10 +117,12 @@ class _Round:
 
 @dataclass
 class RoundRecord:
-    """One speculative round, for the server's metrics: draft tokens per sequence (0 when
-    decoding target-only), accepted drafts per sequence, and the draft and verify phase times."""
+    """One speculative round, for the server's metrics: the k it verified (0: an AR step), draft
+    tokens verified per sequence (k, or less for a request that limits it; 0 when decoding
+    target-only), accepted drafts per sequence, and the draft and verify phase times."""
 
-    drafted: int
+    k: int
+    draft_tokens: list[int]
     accepted: list[int]
     draft_seconds: float
     verify_seconds: float
@@ -156,6 +167,8 @@ class Engine:
         # Benchmark-only: force the mean accepted length τ of every round (labelled wherever used).
         self.synthetic_tau: float | None = None
         self._synthetic_debt = 0.0
+        # How many drafts each round verifies; its costs come from `measure_round_costs`.
+        self.speculation = SpeculationPolicy(config, self.block_size)
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -354,22 +367,26 @@ class Engine:
         not read yet) the bonus tokens and starts come from its results on the device."""
         t0 = time.perf_counter()
         n, block = len(seqs), self.block_size
+        k = self.speculation.choose([s.params.num_speculative_tokens for s in seqs]) if self.proposer else 0
+        width = k + 1  # tokens verified per sequence: the bonus token and k drafts
         tables = [s.block_table for s in seqs]
         if previous is None:
             bonus_ids, starts = [s.bonus for s in seqs], [s.num_cached for s in seqs]
         else:
             bonus_ids, starts = previous.next_bonus, previous.next_starts
-        remote = hasattr(self.proposer, "request_drafts")
+        remote = self._drafts_remotely
         if remote:  # first: the drafter works while this process prepares the verify
             try:
                 if previous is not None:  # which of its slots are accepted is not known yet: all of them
                     self._send_every_slot(previous)
-                self.proposer.request_drafts([s.request_id for s in seqs], bonus_ids, starts, tables)
+                if k:
+                    self.proposer.request_drafts([s.request_id for s in seqs], bonus_ids, starts, tables)
             except ProposerLost as err:
                 self._lose_proposer(err)
                 return self._launch_round(seqs, previous)  # the same round, target-only
         graphs = self.graphs
-        if graphs is not None and (n > graphs.max_batch or not graphs.fits(self.proposer, block)):
+        if graphs is not None and (n > graphs.max_batch or not graphs.fits(self.proposer, block)
+                                   or k not in graphs.k_buckets):
             graphs = None
         if graphs is not None:
             bucket = graphs.load(bonus_ids, starts, tables)
@@ -380,60 +397,71 @@ class Engine:
                 starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)
             else:
                 bonus, starts_t = bonus_ids, starts
-            width = max(map(len, tables))
-            table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=self.device)
-            batch = AttentionBatch.for_round(table_t, starts_t, block, self.allocator.block_size)
-        positions = starts_t[:, None] + torch.arange(block, device=self.device)
+            table_width = max(map(len, tables))
+            table_t = torch.tensor([t + [0] * (table_width - len(t)) for t in tables], dtype=torch.int32,
+                                   device=self.device)
+            page = self.allocator.block_size
+            batch = AttentionBatch.for_round(table_t, starts_t, width, page)  # the verify's
+            draft_batch = batch if width == block or not k else AttentionBatch.for_round(table_t, starts_t, block, page)
+        positions = starts_t[:, None] + torch.arange(width, device=self.device)
         if remote and previous is not None:  # the host commits the last round while the drafter drafts
             self._finish_round(previous, block)
         clock = _PhaseClock(self.device)
 
-        if self.proposer is None:
+        # draft: the whole block; the first k are verified
+        if not k:
             drafts = None
         elif graphs is not None and graphs.proposer is not None:
             graphs.draft(bucket)
-            drafts = bucket.drafts[:n]
+            drafts = bucket.drafts[:n, :k]
         else:
             try:
                 if not remote:
-                    drafts = self.proposer.propose([s.request_id for s in seqs], bonus, starts_t, batch)
+                    drafts = self.proposer.propose([s.request_id for s in seqs], bonus, starts_t, draft_batch)[:, :k]
                 elif graphs is not None:
-                    drafts = graphs.load_drafts(bucket, self.proposer.receive_drafts())
-                else:
-                    drafts = self.proposer.receive_drafts().clone()  # the shared buffer is rewritten next round
+                    drafts = graphs.load_drafts(bucket, self.proposer.receive_drafts())[:, :k]
+                else:  # cloned: the shared buffer is rewritten next round
+                    drafts = self.proposer.receive_drafts()[:, :k].clone()
             except ProposerLost as err:
                 self._lose_proposer(err)
                 return self._launch_round(seqs, previous)  # the same round, target-only
         clock.mark()
 
+        # verify: [bonus, k drafts] per sequence
         if graphs is not None:
-            graphs.verify(bucket)
-            logits, slots = bucket.logits[: n * block], bucket.slots[: n * block]
-            features = None if bucket.features is None else bucket.features[: n * block]
+            out = graphs.verify(bucket, k)
+            logits, slots = out.logits[: n * width], out.slots[: n * width]
+            features = None if out.features is None else out.features[: n * width]
         else:
             block_ids = bonus[:, None] if drafts is None else torch.cat([bonus[:, None], drafts.to(bonus)], dim=1)
-            rows = torch.arange(n * block, device=self.device)
+            rows = torch.arange(n * width, device=self.device)
             logits, features = self.runner.forward(block_ids.flatten(), positions.flatten(), batch, rows)
             slots = batch.slot_mapping
         clock.mark()
 
         # Every slot's feature row, accepted or not, without waiting to know which: the rows past
         # the accepted ones lie at or after the next round's start, where its draft writes its own
-        # block before it attends, so they are never read. A drafter in another process gets the
-        # accepted rows only, once they are known (`_finish_round`).
+        # block before it attends (and an AR round reads none), so they are never read. A drafter
+        # in another process gets the accepted rows only, once they are known (`_finish_round`).
         context = (features, positions.flatten(), slots) if remote else None
         if graphs is not None and graphs.proposer is not None:
-            graphs.inject(bucket)
+            graphs.inject(bucket, k)
         elif self.proposer is not None and not remote:
             self.proposer.inject_context(features, positions.flatten(), slots)
-        # The token sampled at slot j is the one at position s+j+1.
-        target_tokens = sample_tokens(logits.view(n, block, -1), self._sampling_batch(seqs), positions + 1)
+
+        # accept: the target samples every slot (the token sampled at slot j is the one at
+        # position s+j+1); drafts count while they equal those samples, up to each request's limit
+        target_tokens = sample_tokens(logits.view(n, width, -1), self._sampling_batch(seqs), positions + 1)
+        verified = [k if s.params.num_speculative_tokens is None else min(k, s.params.num_speculative_tokens)
+                    for s in seqs]
         if drafts is None:
             accepted = torch.zeros(n, dtype=torch.long, device=self.device)
         else:
             accepted = accept_drafts(drafts, target_tokens)
-        if self.synthetic_tau is not None:
-            accepted = torch.full_like(accepted, self._synthetic_accept_length(block))
+        if self.synthetic_tau is not None and k:  # an AR round accepts nothing, and owes nothing
+            accepted = torch.full_like(accepted, self._synthetic_accept_length(width))
+        if min(verified) < k:
+            accepted = accepted.minimum(torch.tensor(verified, dtype=torch.long, device=self.device))
         clock.mark()
         results = torch.cat([accepted[:, None], target_tokens], dim=1)
         ready = None
@@ -443,10 +471,15 @@ class Engine:
             ready.record()
         self.timings.host += time.perf_counter() - t0
         return _Round(
-            seqs=seqs, proposer=self.proposer, drafted=drafts is not None, results=results, ready=ready,
-            next_bonus=target_tokens.gather(1, accepted[:, None])[:, 0], next_starts=starts_t + accepted + 1,
-            clock=clock, chainable=self.chain_rounds, remote_context=context,
+            seqs=seqs, proposer=self.proposer, k=k, verified=verified, drafted_remotely=remote and k > 0,
+            results=results, ready=ready, next_bonus=target_tokens.gather(1, accepted[:, None])[:, 0],
+            next_starts=starts_t + accepted + 1, clock=clock, chainable=self.chain_rounds, remote_context=context,
         )
+
+    @property
+    def _drafts_remotely(self) -> bool:
+        """Whether the drafter lives in another process (`request_drafts`/`receive_drafts`)."""
+        return hasattr(self.proposer, "request_drafts")
 
     def _send_every_slot(self, rnd: _Round) -> None:
         """Give a drafter in another process the feature rows of every slot of `rnd` before the
@@ -454,9 +487,9 @@ class Engine:
         from the host's cached counts, which `rnd` has not advanced yet: no wait for the device."""
         features = rnd.remote_context[0]
         rnd.remote_context = None  # `_finish_round` must not send the accepted ones again
-        kv, block = self.allocator.block_size, self.block_size
-        positions = [p for seq in rnd.seqs for p in range(seq.num_cached, seq.num_cached + block)]
-        tables = [seq.block_table for seq in rnd.seqs for _ in range(block)]
+        kv, width = self.allocator.block_size, rnd.k + 1
+        positions = [p for seq in rnd.seqs for p in range(seq.num_cached, seq.num_cached + width)]
+        tables = [seq.block_table for seq in rnd.seqs for _ in range(width)]
         slots = [table[p // kv] * kv + p % kv for table, p in zip(tables, positions)]
         self.proposer.inject_context(features, positions, slots)
 
@@ -469,19 +502,20 @@ class Engine:
         if rnd.ready is not None:
             rnd.ready.synchronize()
         t0 = time.perf_counter()  # the host's own time, not its wait for the device
-        block = rnd.results.shape[1] - 1
-        keep_rows, accepted = [], []
+        width = rnd.k + 1
+        keep_rows, verified, accepted = [], [], []
         for i, (seq, row) in enumerate(zip(rnd.seqs, rnd.results.tolist(), strict=True)):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # cancelled since, or ended by the round before this one
             a = row[0]
+            verified.append(rnd.verified[i])
             accepted.append(a)
-            if rnd.drafted:
-                seq.stats.record(block - 1, a)
+            if rnd.verified[i]:
+                seq.stats.record(rnd.verified[i], a)
             seq.num_cached += a + 1
             self._commit(seq, row[1 : a + 2])
             # Also a sequence that just finished: its blocks may stay in the prefix cache.
-            keep_rows.extend(range(i * block, i * block + a + 1))
+            keep_rows.extend(range(i * width, i * width + a + 1))
             if seq.status is SequenceStatus.RUNNING:  # a finished one's blocks are already free
                 self.scheduler.offer_committed_blocks(seq)
                 self.scheduler.trim(seq, lookahead)
@@ -492,7 +526,12 @@ class Engine:
             except ProposerLost as err:
                 self._lose_proposer(err)
         draft_s, verify_s, accept_s = rnd.clock.seconds()
-        self.round_log.append(RoundRecord(block - 1 if rnd.drafted else 0, accepted, draft_s, verify_s))
+        if rnd.proposer is not None and rnd.proposer is self.proposer:
+            self.speculation.observe_round(verified, accepted)
+            costs = self.speculation.costs
+            if rnd.drafted_remotely and costs is not None and not costs.measured_draft:
+                costs.observe_draft(len(rnd.seqs), draft_s)
+        self.round_log.append(RoundRecord(rnd.k, verified, accepted, draft_s, verify_s))
         tm = self.timings
         tm.draft += draft_s
         tm.verify += verify_s
@@ -516,6 +555,77 @@ class Engine:
         self.allocator.reset_prefix_cache()
         self.proposer = proposer
         self.block_size = self.scheduler.lookahead = proposer.block_size
+        if self.speculation.block_size != proposer.block_size:  # a drafter back after a loss keeps what was learnt
+            self.speculation = SpeculationPolicy(self.config, proposer.block_size)
+        if self.speculation.costs is None:
+            self.measure_round_costs()
+
+    def measure_round_costs(self, context: int = COST_CONTEXT) -> None:
+        """Time this engine's own round shapes for the adaptive policy (`RoundCosts`): the verify
+        of every k bucket and the draft, at a few batch sizes, every sequence at position
+        `context`. With CUDA graphs, by replaying them (on scratch blocks); else by eager forwards
+        on borrowed free blocks, which all rows of a batch share (the writes collide harmlessly:
+        only the time counts). Does nothing when no batch size is left to the policy."""
+        policy = self.speculation
+        if self.proposer is None or not policy.needs_costs():
+            return
+        t0 = time.perf_counter()
+        block = self.block_size
+        context = max(0, min(context, self.max_model_len - block))
+        graphs = self.graphs
+        if graphs is not None and graphs.fits(self.proposer, block) and set(policy.ks) <= set(graphs.k_buckets):
+            timed = graphs.time_round(context)
+            sizes = sorted(timed["verify"])
+            verify = {k: [timed["verify"][n][k] for n in sizes] for k in policy.ks}
+            draft = [timed["draft"][n] for n in sizes] if timed["draft"] else None
+        else:
+            sizes, verify, draft = self._time_eager_rounds(context)
+        policy.costs = RoundCosts(sizes, verify, draft)
+        log.info("round costs measured in %.0f ms (batch sizes %s, k %s)", 1e3 * (time.perf_counter() - t0),
+                 sizes, list(policy.ks))
+
+    def _time_eager_rounds(self, context: int) -> tuple[list[int], dict, list[float] | None]:
+        """Eager forwards at batch sizes 1 and 4 only: without graphs a forward's time is its
+        launches plus work linear in its tokens, so `RoundCosts` extrapolates larger batches
+        along the line through those two — and start-up stays short on a CPU, where a forward of
+        a full batch of full blocks would take seconds."""
+        block, page, device = self.block_size, self.allocator.block_size, self.device
+        sizes = sorted({min(n, self.config.max_num_seqs) for n in (1, 4)})
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        table: list[int] = []
+        self.allocator.grow(table, context + block)
+        verify: dict[int, list[float]] = {k: [] for k in self.speculation.ks}
+        draft: list[float] | None = None if self._drafts_remotely else []
+
+        def shapes(n: int, width: int):
+            tables = torch.tensor([table] * n, dtype=torch.int32, device=device)
+            starts = torch.full((n,), context, dtype=torch.long, device=device)
+            batch = AttentionBatch.for_round(tables, starts, width, page)
+            positions = (starts[:, None] + torch.arange(width, device=device)).flatten()
+            return torch.zeros(n * width, dtype=torch.long, device=device), starts, positions, batch
+
+        def verify_call(n: int, k: int):
+            ids, _, positions, batch = shapes(n, k + 1)
+            rows = torch.arange(n * (k + 1), device=device)
+            return lambda: self.runner.forward(ids, positions, batch, rows)
+
+        def draft_call(n: int):
+            ids, starts, _, batch = shapes(n, block)
+            return lambda: self.proposer.propose((), ids[:n], starts, batch)
+
+        try:
+            with torch.inference_mode():
+                verify_call(sizes[-1], block - 1)()  # first calls allocate and pick kernels: once
+                if draft is not None:
+                    draft_call(sizes[-1])()
+                for n in sizes:
+                    for k in verify:
+                        verify[k].append(time_call(verify_call(n, k), sync, warm_up=False))
+                    if draft is not None:
+                        draft.append(time_call(draft_call(n), sync, warm_up=False))
+        finally:
+            self.allocator.release(table)
+        return sizes, verify, draft
 
     def _synthetic_accept_length(self, block: int) -> int:
         """Accepted drafts for this round so that the running mean of a+1 tracks synthetic_tau."""

@@ -13,6 +13,7 @@ from services.engine.draft_runner import DraftRunner
 from services.engine.engine import Engine
 from services.engine.fused_target import FusedTargetRunner, fused_unsupported_reason
 from services.engine.kv_cache import BlockAllocator, KVPool
+from services.engine.speculation import k_buckets
 from services.engine.target_runner import TargetRunner
 from services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel, load_drafter
 
@@ -134,5 +135,7 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
             scratch_blocks=list(range(blocks - scratch, blocks)),
             buckets=tuple(sorted({b for b in DEFAULT_BUCKETS if b < config.max_num_seqs} | {config.max_num_seqs})),
             external_drafts=remote_drafter is not None,
+            k_buckets=k_buckets(lookahead, config.num_speculative_tokens_per_batch_size) if draft_cfg else None,
         )
+    engine.measure_round_costs()  # a drafter in another process: once it is attached
     return engine

@@ -36,6 +36,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings
     ignore_eos: bool = False
+    # At most this many draft tokens of each round verified for this request (0: no speculation,
+    # as target-only decoding; None: as many as the engine chooses). The output is the same.
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self):
         # Requests arrive as JSON: lists become tuples (hashable), and a bare string is one stop
@@ -68,6 +71,8 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if token_id < 0:
                 raise ValueError(f"stop_token_ids must be >= 0, got {token_id}")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0 (0 = no speculation), got {self.num_speculative_tokens}")
 
 
 def resolve_seed(params: SamplingParams, rng: random.Random) -> int:

@@ -75,7 +75,7 @@ _NEUTRAL: dict[str, Callable[[Any], bool]] = {
 # they change nothing about the completion, and no tool expects an error for them.
 _LABELS = {"user", "metadata", "store", "service_tier"}
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-           "stop_token_ids", "ignore_eos"}
+           "stop_token_ids", "ignore_eos", "num_speculative_tokens"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens"}
 _COMPLETION = _COMMON | {"prompt"}
 
@@ -189,6 +189,9 @@ def _sampling(body: dict, *, chat: bool) -> generation_pb2.SamplingParams:
             raise invalid("stop_token_ids", "`stop_token_ids` must be a list of token ids (integers)")
         sampling.stop_token_ids.extend(_int32(t, "stop_token_ids") for t in stop_ids)
     sampling.ignore_eos = _typed(body, "ignore_eos", bool, False)
+    speculative = _typed(body, "num_speculative_tokens", int, None)  # our extension: 0 opts out
+    if speculative is not None:
+        sampling.num_speculative_tokens = _int32(speculative, "num_speculative_tokens")
     return sampling
 
 

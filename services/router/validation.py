@@ -33,6 +33,8 @@ def sampling_params(sampling, *, default_max_tokens: int, max_tokens_limit: int)
         stop=tuple(sampling.stop),
         stop_token_ids=tuple(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
+        num_speculative_tokens=(sampling.num_speculative_tokens if sampling.HasField("num_speculative_tokens")
+                                else None),
     )
     try:
         params.validate(max_tokens_limit=max_tokens_limit)

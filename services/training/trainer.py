@@ -244,6 +244,7 @@ def held_out_tau(target: TargetModel, drafter_dir: Path, prompts: list[list[int]
         target="(training target)", drafter=str(drafter_dir), device=str(target.device), kv_block_size=KV_BLOCK,
         num_kv_blocks=sum(math.ceil((len(p) + max_new_tokens + block) / KV_BLOCK) for p in prompts) + 1,
         max_num_seqs=len(prompts), max_prefill_tokens=max(8192, max(map(len, prompts))), cuda_graphs=False,
+        speculation="fixed",  # τ of the drafter's whole block, whatever would pay on this machine
     )
     engine = assemble_engine(config, target, drafter, eos_token_ids=eos)
     stats = [s.stats for s in engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new_tokens))]

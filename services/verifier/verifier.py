@@ -284,14 +284,17 @@ class Verifier:
         while engine.round_log:
             record = engine.round_log.popleft()
             m.observe("dflash_step_phase_seconds", record.verify_seconds, phase="verify")
-            if not record.drafted:
+            if engine.proposer is not None or record.k:
+                m.observe("dflash_spec_decode_tokens_per_round", record.k)
+            if not record.k:
                 continue
             m.observe("dflash_step_phase_seconds", record.draft_seconds, phase="draft")
-            accepted = record.accepted
-            m.inc("dflash_spec_decode_num_drafts", len(accepted))
-            m.inc("dflash_spec_decode_num_draft_tokens", record.drafted * len(accepted))
-            m.inc("dflash_spec_decode_num_accepted_tokens", sum(accepted))
-            for a in accepted:
+            # Verified drafts only: a request that limits them (or opts out) counts what it verified.
+            counted = [(d, a) for d, a in zip(record.draft_tokens, record.accepted, strict=True) if d]
+            m.inc("dflash_spec_decode_num_drafts", len(counted))
+            m.inc("dflash_spec_decode_num_draft_tokens", sum(d for d, _ in counted))
+            m.inc("dflash_spec_decode_num_accepted_tokens", sum(a for _, a in counted))
+            for _, a in counted:
                 m.observe("dflash_acceptance_length", a + 1)
                 for pos in range(a):
                     m.inc("dflash_spec_decode_num_accepted_tokens_per_pos", 1, position=str(pos))

@@ -21,8 +21,11 @@ CHAIN_ROUNDS = False  # Engine.chain_rounds: on a GPU by default, forced here to
 
 def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = None, num_blocks=256, kv_block_size=4,
                  max_num_seqs=8, max_prefill_tokens=64, eos=(), tokenizer=None, max_model_len=512,
-                 enable_prefix_caching=True) -> Engine:
-    """An engine on the CPU in float32; `drafter` builds the real DraftRunner, `proposer` plugs in an oracle."""
+                 enable_prefix_caching=True, speculation="fixed", spec_table=None) -> Engine:
+    """An engine on the CPU in float32; `drafter` builds the real DraftRunner, `proposer` plugs in an oracle.
+    Speculation is fixed (every draft verified) unless a test asks for the adaptive policy, whose
+    costs are then measured (a real drafter) or must be set by the test (an oracle); `spec_table`:
+    EngineConfig.num_speculative_tokens_per_batch_size."""
     layer_ids = drafter.config.target_layer_ids if drafter is not None else getattr(proposer, "target_layer_ids", ())
     target = TargetModel(model, layer_ids)
     t_layers, t_heads, t_dim = TargetRunner.kv_shape(target)
@@ -34,10 +37,13 @@ def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = Non
         proposer = DraftRunner(drafter, target, pool)
     config = EngineConfig(target="tiny", kv_block_size=kv_block_size, num_kv_blocks=num_blocks,
                           max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
-                          enable_prefix_caching=enable_prefix_caching)
+                          enable_prefix_caching=enable_prefix_caching, speculation=speculation,
+                          num_speculative_tokens_per_batch_size=spec_table or {})
     engine = Engine(runner, proposer, BlockAllocator(num_blocks, kv_block_size), config, tokenizer=tokenizer,
                     eos_token_ids=eos, max_model_len=max_model_len)
     engine.chain_rounds = CHAIN_ROUNDS
+    if drafter is not None:
+        engine.measure_round_costs()
     return engine
 
 

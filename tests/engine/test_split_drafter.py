@@ -30,10 +30,10 @@ def pair():
     return target, random_drafter(cfg, seed=8, dtype=torch.float32)
 
 
-def _remote_engine(target, drafter, shared):
+def _remote_engine(target, drafter, shared, **engine_options):
     server = DrafterServer(drafter)
     server.start()
-    engine = build_engine(target, proposer=_Placeholder(drafter))  # captures the drafter's layers
+    engine = build_engine(target, proposer=_Placeholder(drafter), **engine_options)  # captures the drafter's layers
     proposer = RemoteProposer.connect(server.address, target=engine.runner.target, block_size=B,
                                       kv_block_size=engine.allocator.block_size,
                                       num_kv_blocks=engine.runner.pool.k.shape[1], capacity_rows=64,
@@ -161,6 +161,40 @@ def test_prefix_cache_hits_in_the_split_topology_bring_the_drafters_context_rows
     runner = SimpleNamespace(target=engine.runner.target, drafter=drafter, pool=server.session.runner.pool)
     assert_draft_context_is_committed_rows(runner, hit, kv)
     engine.allocator.release(blocks)
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+    proposer.close()
+    for buffer in shared:
+        buffer.close()
+
+
+@pytest.mark.parametrize("rounds", ["k0", "k2", "changing", "adaptive"])
+def test_remote_drafter_is_lossless_for_every_k(pair, rounds):
+    """Rounds verifying k of the drafts with the drafter in another process: k 0 sends it no draft
+    request (its context rows still go), a k that changes every round follows chained rounds of
+    another k, and the adaptive policy learns the drafter's cost from the rounds."""
+    target, drafter = pair
+    prompts = [[1, 2, 3, 4], list(range(10, 40)), [7] * 6]
+    params = [SamplingParams(temperature=0.0, max_tokens=30), SamplingParams(temperature=1.0, seed=4, max_tokens=30),
+              SamplingParams(temperature=0.9, top_k=12, seed=5, max_tokens=30)]
+    reference = [s.output_ids for s in build_engine(target).generate(prompts, params)]
+    options = {"k0": {"spec_table": {1: 0}}, "k2": {"spec_table": {1: 2}}, "changing": {},
+               "adaptive": {"speculation": "adaptive"}}[rounds]
+    shared = []
+    engine, server, proposer = _remote_engine(target, drafter, shared, **options)
+    if rounds == "changing":
+        order = iter([2, 0, 4, 1, 0, 3] * 100)
+        engine.speculation.choose = lambda caps: next(order)
+    if rounds == "adaptive":  # measured at attach: the verify only; the drafter's cost is learnt
+        assert engine.speculation.costs is not None and not engine.speculation.costs.measured_draft
+    done = engine.generate(prompts, params)
+    assert [s.output_ids for s in done] == reference
+    assert reference[0] == hf_greedy(target, prompts[0], 30)
+    ks = {r.k for r in engine.round_log}
+    assert ks == {"k0": {0}, "k2": {2}, "changing": {0, 1, 2, 3, 4}}.get(rounds, ks)
+    if rounds == "k0":
+        assert not proposer.draft_seconds  # never asked for drafts
+    if rounds == "adaptive" and max(ks) > 0:
+        assert max(engine.speculation.costs.draft) > 0  # learnt from the rounds that drafted
     assert engine.allocator.num_free == engine.allocator.num_blocks
     proposer.close()
     for buffer in shared:

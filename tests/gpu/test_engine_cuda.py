@@ -24,11 +24,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 V, B = 96, 6
 
 
-def _engine(target_model, drafter, *, graphs: bool, max_num_seqs=4, target_impl="auto", async_scheduling=True):
+def _engine(target_model, drafter, *, graphs: bool, max_num_seqs=4, target_impl="auto", async_scheduling=True,
+            speculation="fixed", spec_table=None):
+    """Every draft verified unless a test asks for the adaptive policy or a static table."""
     target = TargetModel(target_model, drafter.config.target_layer_ids if drafter is not None else ())
     config = EngineConfig(target="tiny", device="cuda", kv_block_size=16, num_kv_blocks=128,
                           max_num_seqs=max_num_seqs, cuda_graphs=graphs, target_impl=target_impl,
-                          async_scheduling=async_scheduling)
+                          async_scheduling=async_scheduling, speculation=speculation,
+                          num_speculative_tokens_per_batch_size=spec_table or {})
     return assemble_engine(config, target, drafter)
 
 
@@ -84,12 +87,14 @@ def test_bf16_gemma_style_drafter_runs_and_stays_lossless_in_float32_target():
             assert seq.output_ids == hf_greedy(model, prompt, 50)
 
 
+@pytest.mark.parametrize("spec_table", [None, {1: 3}, {1: 0}], ids=["all-drafts", "k3", "k0"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_split_drafter_over_cuda_ipc_matches_the_colocated_engine(graphs, tied, tmp_path):
+def test_split_drafter_over_cuda_ipc_matches_the_colocated_engine(graphs, tied, spec_table, tmp_path):
     """The drafter in a process of its own maps the verifier's feature ring, embedding and LM head
     (one buffer when tied) by CUDA IPC, and writes its drafts into the verifier's buffer; with
-    graphs the verify replays a graph that copies them in on the device."""
+    graphs the verify replays a graph that copies them in on the device (the first k of them; k 0:
+    no draft request, the rows still reach the drafter)."""
     from services.drafter.server import spawn_drafter_process
     from services.models import save_drafter
     from services.verifier.remote_drafter import RemoteProposer
@@ -102,13 +107,13 @@ def test_split_drafter_over_cuda_ipc_matches_the_colocated_engine(graphs, tied, 
     drafter = random_drafter(cfg, seed=3, dtype=torch.float32).cuda()
     prompts = [[1, 2, 3], list(range(5, 40)), [7] * 9]
     params = SamplingParams(temperature=0.0, max_tokens=40)
-    colocated = _engine(model, drafter, graphs=graphs).generate(prompts, params)
+    colocated = _engine(model, drafter, graphs=graphs, spec_table=spec_table).generate(prompts, params)
 
     save_drafter(drafter, tmp_path / "drafter")
     process, address = spawn_drafter_process(str(tmp_path / "drafter"), device="cuda", dtype="float32")
     target = TargetModel(model, drafter.config.target_layer_ids)
     config = EngineConfig(target="tiny", device="cuda", kv_block_size=16, num_kv_blocks=128, max_num_seqs=4,
-                          cuda_graphs=graphs)
+                          cuda_graphs=graphs, speculation="fixed", num_speculative_tokens_per_batch_size=spec_table or {})
     engine = assemble_engine(config, target, None, remote_drafter=drafter.config)
     shared = []
     proposer = RemoteProposer.connect(address, target=target, block_size=B, kv_block_size=16,
@@ -116,7 +121,12 @@ def test_split_drafter_over_cuda_ipc_matches_the_colocated_engine(graphs, tied, 
                                       graphs=engine.graphs)
     engine.attach_proposer(proposer)
     assert (engine.graphs is not None and engine.graphs.fits(proposer, B)) == graphs
+    verified = []
+    verify = engine.graphs.verify if graphs else None
+    if graphs:
+        engine.graphs.verify = lambda bucket, k: verified.append(k) or verify(bucket, k)
     split = engine.generate(prompts, params)
+    assert not graphs or set(verified) == {3 if spec_table == {1: 3} else 0 if spec_table else B - 1}
     for a, b in zip(colocated, split, strict=True):
         assert b.output_ids == a.output_ids
         assert b.stats.accepted_per_position == a.stats.accepted_per_position
@@ -234,4 +244,50 @@ def test_cuda_prefix_cache_hits_with_graphs_and_chained_rounds_stay_lossless(gra
         for prompt, seq in zip(prompts, done, strict=True):
             assert seq.output_ids == hf_greedy(model, prompt, 30)
     assert engine.scheduler.prefix_cache_hits == 32 + 64  # the opening; the first conversation
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["chained", "synced"])
+def test_cuda_graphs_per_k_bucket_stay_lossless(async_scheduling):
+    """Verify and injection graphs per k bucket (0, 1, 3, B−1 and the table's 2): rounds of every
+    k, changing every round (chained rounds too), replay them — and the adaptive policy on costs
+    measured by replaying them — with greedy and seeded requests in one padded batch: the same
+    output as target-only decoding."""
+    model = tiny_target("qwen3", layers=4, vocab=V, seed=7).float().cuda()
+    cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
+                         layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
+    drafter = random_drafter(cfg, seed=3, dtype=torch.float32).cuda()
+    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 9]  # 3 sequences: a padded bucket of 4
+    params = [SamplingParams(temperature=0.0, max_tokens=40), SamplingParams(temperature=1.0, seed=5, max_tokens=40),
+              SamplingParams(temperature=0.7, top_k=8, seed=6, max_tokens=40)]
+    reference = [s.output_ids for s in _engine(model, None, graphs=True).generate(prompts, params)]
+    with torch.no_grad():
+        assert reference[0] == hf_greedy(model, prompts[0], 40)
+
+    engine = _engine(model, drafter, graphs=True, async_scheduling=async_scheduling, speculation="adaptive",
+                     spec_table={8: 2})  # batches of 8 or more only: the policy decides below
+    graphs = engine.graphs
+    assert graphs.k_buckets == engine.speculation.ks == (0, 1, 2, 3, B - 1)
+    costs = engine.speculation.costs  # measured by replaying the graphs
+    assert costs.batch_sizes == [1, 2, 4] and costs.ks == graphs.k_buckets and costs.measured_draft
+    replayed = []
+    verify = graphs.verify
+    graphs.verify = lambda bucket, k: replayed.append(k) or verify(bucket, k)
+    order = iter([3, 0, B - 1, 1, 2, 0, 0, B - 1] * 100)
+    adaptive = engine.speculation.choose
+    engine.speculation.choose = lambda caps: next(order)
+    launched = []
+    launch = engine._launch_round
+    engine._launch_round = lambda seqs, previous=None: launched.append(previous is not None) or launch(seqs, previous)
+    done = engine.generate(prompts, params)
+    assert [s.output_ids for s in done] == reference
+    assert set(replayed) == set(graphs.k_buckets)  # every round replayed a graph, of every k
+    assert len(replayed) == len(launched) and any(launched) == async_scheduling
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+    engine.speculation.choose = adaptive
+    replayed.clear()
+    done = engine.generate(prompts, params)
+    assert [s.output_ids for s in done] == reference
+    assert replayed and set(replayed) <= set(graphs.k_buckets)
     assert engine.allocator.num_free == engine.allocator.num_blocks

@@ -26,7 +26,8 @@ APP = "dflash"
 
 
 def chart_values(target: str, drafter: str, ports: dict, **dflash) -> dict:
-    engine = {"target": target, "drafter": drafter, "device": DEVICE, "num_kv_blocks": 256, "max_num_seqs": 4}
+    engine = {"target": target, "drafter": drafter, "device": DEVICE, "num_kv_blocks": 256, "max_num_seqs": 4,
+              "speculation": "fixed"}  # every round drafts: the test asserts drafts were counted
     engine.update(dflash.pop("engine", {}))
     return {"dflash": {"engine": engine, **dflash}, "ports": ports}
 

@@ -38,7 +38,7 @@ def app(ray_serve, model_pair, tmp_path_factory):
     keys.write_text(f"{KEY}\nsk-second-key\n")
     target, drafter = model_pair
     config = ServeConfig(engine=EngineConfig(target=target, drafter=drafter, device=DEVICE, num_kv_blocks=256,
-                                             max_num_seqs=4),
+                                             max_num_seqs=4, speculation="fixed"),
                          topology="split", max_pending=8, default_max_tokens=32, grpc_port=ray_serve["grpc"],
                          http_port=ray_serve["http"], served_model_name=MODEL, api_keys_file=str(keys))
     serve.run(build_app(config), name="dflash", route_prefix="/")

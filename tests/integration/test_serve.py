@@ -41,8 +41,9 @@ def app(ray_serve, model_pair):
     from services.app import build_app
 
     target, drafter = model_pair
+    # fixed: every round drafts, so the speculative stats and counters below always have rounds
     config = ServeConfig(engine=EngineConfig(target=target, drafter=drafter, device=DEVICE, num_kv_blocks=256,
-                                             max_num_seqs=4),
+                                             max_num_seqs=4, speculation="fixed"),
                          topology="split", max_pending=8, default_max_tokens=32, grpc_port=ray_serve["grpc"])
     serve.run(build_app(config), name="dflash", route_prefix="/")
     channel = grpc.insecure_channel(f"127.0.0.1:{ray_serve['grpc']}")

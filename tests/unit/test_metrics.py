@@ -39,3 +39,36 @@ def test_vllm_names_map_onto_exported_series_with_their_suffixes():
     # vLLM's deprecated TPOT name is an alias of its per-token inter-token latency.
     assert series["vllm:time_per_output_token_seconds_sum"] == series["vllm:inter_token_latency_seconds_sum"]
     assert series["vllm:kv_cache_usage_perc"] == "ray_dflash_kv_cache_usage_perc"
+
+
+def test_spec_decode_counters_count_verified_drafts_and_the_chosen_k():
+    """A round that verified k=3 of the drafts, for a request that limits them to 2 and one that
+    opted out: draft and acceptance counters see only what each request verified; k is observed
+    once per round, an AR round's 0 too."""
+    import collections
+    from types import SimpleNamespace
+
+    from services.engine.engine import RoundRecord
+    from services.verifier.verifier import Verifier
+
+    counts, observed = collections.Counter(), collections.defaultdict(list)
+
+    class Recorder:
+        def inc(self, name, value=1.0, **tags):
+            counts[(name, tuple(tags.values()))] += value
+
+        def observe(self, name, value, **tags):
+            observed[(name, tuple(tags.values()))].append(value)
+
+    log = collections.deque([RoundRecord(3, [3, 2, 0], [3, 1, 0], 0.01, 0.02), RoundRecord(0, [0, 0], [0, 0], 0.0, 0.01)])
+    verifier = SimpleNamespace(metrics=Recorder(), engine=SimpleNamespace(round_log=log, proposer=object()),
+                               _remote_proposer=None, _set_gauges=lambda: None)
+    Verifier._record_step(verifier)
+    assert counts[("dflash_spec_decode_num_drafts", ())] == 2
+    assert counts[("dflash_spec_decode_num_draft_tokens", ())] == 5
+    assert counts[("dflash_spec_decode_num_accepted_tokens", ())] == 4
+    assert counts[("dflash_spec_decode_num_accepted_tokens_per_pos", ("0",))] == 2
+    assert counts[("dflash_spec_decode_num_accepted_tokens_per_pos", ("2",))] == 1
+    assert observed[("dflash_acceptance_length", ())] == [4, 2]
+    assert observed[("dflash_spec_decode_tokens_per_round", ())] == [3, 0]
+    assert not log

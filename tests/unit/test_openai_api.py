@@ -134,6 +134,9 @@ def test_vllm_extensions_reach_the_verifier(sdk, verifier):
     assert (params.max_tokens, params.top_k, params.ignore_eos, params.stop_token_ids) == (9, 40, True, (7,))
     sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body={"top_k": -1})
     assert verifier.calls[-1].params.top_k == 0
+    assert verifier.calls[-1].params.num_speculative_tokens is None
+    sdk.completions.create(model=MODEL, prompt="x", extra_body={"num_speculative_tokens": 0})  # ours: opt out
+    assert verifier.calls[-1].params.num_speculative_tokens == 0
 
 
 def test_models_lists_the_served_model(sdk):

@@ -309,6 +309,18 @@ def test_set_sampling_fields_reach_the_verifier_as_the_client_typed_them(tokeniz
                                                       stop=("\n\n",), stop_token_ids=(1,), ignore_eos=True)
 
 
+def test_a_request_can_limit_or_opt_out_of_speculation(tokenizer):
+    verifier = FakeVerifier()
+    router = make_router(tokenizer, verifier)
+    for sampling in (S(num_speculative_tokens=0), S(num_speculative_tokens=3), S()):
+        generate(router, generation_pb2.GenerateRequest(prompt="hi", sampling=sampling))
+    assert [c.params.num_speculative_tokens for c in verifier.calls] == [0, 3, None]
+    responses, context = generate(router, generation_pb2.GenerateRequest(prompt="hi",
+                                                                         sampling=S(num_speculative_tokens=-1)))
+    assert responses == [] and context.code == Code.INVALID_ARGUMENT
+    assert "num_speculative_tokens must be >= 0" in context.details
+
+
 def test_prompt_chat_and_token_ids_become_the_right_prompt_ids(tokenizer):
     verifier = FakeVerifier()
     router = make_router(tokenizer, verifier, max_model_len=4096)

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x66lash/v1/generation.proto\x12\tdflash.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.dflash.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokens\"\xc0\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.dflash.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.dflash.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.dflash.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x07\n\x05input\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\x95\x01\n\tSpecStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x05\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x05 \x03(\x05\"\xc2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.dflash.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.dflash.v1.Usage\x12(\n\nspec_stats\x18\x06 \x01(\x0b\x32\x14.dflash.v1.SpecStats\"\x15\n\x13GetModelInfoRequest\"\x97\x01\n\tModelInfo\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x18\n\x10max_tokens_limit\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x10\n\x08topology\x18\x07 \x01(\t*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xde\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.dflash.v1.GenerateRequest\x1a\x1b.dflash.v1.GenerateResponse0\x01\x12\x43\n\x08\x43omplete\x12\x1a.dflash.v1.GenerateRequest\x1a\x1b.dflash.v1.GenerateResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.dflash.v1.GetModelInfoRequest\x1a\x14.dflash.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x66lash/v1/generation.proto\x12\tdflash.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.dflash.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb4\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12#\n\x16num_speculative_tokens\x18\t \x01(\x05H\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x19\n\x17_num_speculative_tokens\"\xc0\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.dflash.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.dflash.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.dflash.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x07\n\x05input\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\x95\x01\n\tSpecStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x05\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x05 \x03(\x05\"\xc2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.dflash.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.dflash.v1.Usage\x12(\n\nspec_stats\x18\x06 \x01(\x0b\x32\x14.dflash.v1.SpecStats\"\x15\n\x13GetModelInfoRequest\"\x97\x01\n\tModelInfo\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x18\n\x10max_tokens_limit\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x10\n\x08topology\x18\x07 \x01(\t*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xde\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.dflash.v1.GenerateRequest\x1a\x1b.dflash.v1.GenerateResponse0\x01\x12\x43\n\x08\x43omplete\x12\x1a.dflash.v1.GenerateRequest\x1a\x1b.dflash.v1.GenerateResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.dflash.v1.GetModelInfoRequest\x1a\x14.dflash.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'services.api.dflash.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1220
-  _globals['_FINISHREASON']._serialized_end=1369
+  _globals['_FINISHREASON']._serialized_start=1284
+  _globals['_FINISHREASON']._serialized_end=1433
   _globals['_CHATMESSAGE']._serialized_start=41
   _globals['_CHATMESSAGE']._serialized_end=85
   _globals['_CHATMESSAGES']._serialized_start=87
@@ -40,19 +40,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=145
   _globals['_TOKENIDS']._serialized_end=168
   _globals['_SAMPLINGPARAMS']._serialized_start=171
-  _globals['_SAMPLINGPARAMS']._serialized_end=415
-  _globals['_GENERATEREQUEST']._serialized_start=418
-  _globals['_GENERATEREQUEST']._serialized_end=610
-  _globals['_USAGE']._serialized_start=612
-  _globals['_USAGE']._serialized_end=691
-  _globals['_SPECSTATS']._serialized_start=694
-  _globals['_SPECSTATS']._serialized_end=843
-  _globals['_GENERATERESPONSE']._serialized_start=846
-  _globals['_GENERATERESPONSE']._serialized_end=1040
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1042
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1063
-  _globals['_MODELINFO']._serialized_start=1066
-  _globals['_MODELINFO']._serialized_end=1217
-  _globals['_GENERATION']._serialized_start=1372
-  _globals['_GENERATION']._serialized_end=1594
+  _globals['_SAMPLINGPARAMS']._serialized_end=479
+  _globals['_GENERATEREQUEST']._serialized_start=482
+  _globals['_GENERATEREQUEST']._serialized_end=674
+  _globals['_USAGE']._serialized_start=676
+  _globals['_USAGE']._serialized_end=755
+  _globals['_SPECSTATS']._serialized_start=758
+  _globals['_SPECSTATS']._serialized_end=907
+  _globals['_GENERATERESPONSE']._serialized_start=910
+  _globals['_GENERATERESPONSE']._serialized_end=1104
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1106
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1127
+  _globals['_MODELINFO']._serialized_start=1130
+  _globals['_MODELINFO']._serialized_end=1281
+  _globals['_GENERATION']._serialized_start=1436
+  _globals['_GENERATION']._serialized_end=1658
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,243 @@
+"""How many draft slots a round verifies: load-adaptive speculation (issue 16).
+
+Each round the engine verifies k ≤ B−1 of the drafter's B−1 drafts (k = 0: a plain AR step, no
+draft forward). A verify of k+1 tokens per sequence costs more as k and the batch grow, and draft
+j pays off only when drafts 1..j are all accepted, so the best k falls with load and with
+acceptance. The policy picks, each round, the k that maximises the batch's expected committed
+tokens per second,
+
+    sum_i E[accepted_i + 1 | min(k, cap_i)]  /  (draft(n) [k > 0] + verify(n, k)),
+
+from verify and draft costs the engine measured for its own shapes at start-up (`RoundCosts`)
+and the acceptance measured online per draft position (`AcceptanceTracker`). `cap_i` is a
+request's own limit (`SamplingParams.num_speculative_tokens`; 0 opts out).
+
+k is chosen from a few buckets, 0, 1, 3, 7, B−1 (and the values of a static table): on a GPU each
+is a set of CUDA graphs per batch-size bucket, so the set stays small; the expected tokens of a
+round grow concavely in k (each further draft needs every earlier one accepted), so the verify
+widths 1, 2, 4, 8, B (each about double the last) leave little between two buckets to gain.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Callable, Sequence
+
+from services.config import EngineConfig
+
+BASE_K_BUCKETS = (0, 1, 3, 7)
+
+
+def k_buckets(block_size: int, table: dict | None = None) -> tuple[int, ...]:
+    """The ks a round may verify with drafts of `block_size` (B): 0, 1, 3, 7, B−1 and the static
+    table's values, none above B−1."""
+    top = block_size - 1
+    values = set(BASE_K_BUCKETS) | {top} | {int(k) for k in (table or {}).values()}
+    return tuple(sorted(k for k in values if 0 <= k <= top))
+
+
+def table_k(table: dict, batch_size: int) -> int | None:
+    """The static table's k for a batch: the entry of the largest batch size ≤ `batch_size`
+    (None: below its smallest entry). YAML and Helm may give the keys as strings."""
+    entries = sorted((int(n), int(k)) for n, k in table.items())
+    sizes = [n for n, _ in entries]
+    at = bisect.bisect_right(sizes, batch_size) - 1
+    return entries[at][1] if at >= 0 else None
+
+
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """E[accepted + 1] of a round verifying k drafts, given the conditional acceptance of draft j
+    when drafts 1..j−1 were accepted (acceptance[j−1])."""
+    total, alive = 1.0, 1.0
+    for j in range(k):
+        alive *= acceptance[j]
+        total += alive
+    return total
+
+
+class AcceptanceTracker:
+    """Per draft position, the conditional acceptance rate — of draft j, given drafts 1..j−1
+    were accepted — as an exponential moving average over trials (bounded: B−1 numbers).
+
+    It starts at an optimistic prior, so the first rounds speculate and measure. In a round that
+    verified drafts, the positions beyond what it verified drift back towards the prior, so a
+    deeper k is tried again once the shallower positions accept well (their estimates may be
+    stale from another load or other requests). AR rounds change nothing: the policy probes.
+    """
+
+    def __init__(self, num_positions: int, *, prior: float = 0.9, rate: float = 0.02, drift: float = 1 / 256):
+        if not 0 < prior <= 1 or not 0 < rate <= 1 or not 0 <= drift <= 1:
+            raise ValueError(f"prior {prior} and rate {rate} must be in (0, 1], drift {drift} in [0, 1]")
+        self.prior, self.rate, self.drift = prior, rate, drift
+        self.acceptance = [prior] * num_positions
+        self.trials = [0] * num_positions  # since start, for tests and logs
+
+    def observe_round(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
+        """One round's sequences: drafts verified and accepted by each (verified 0: no trial)."""
+        if not any(verified):
+            return
+        observed = [False] * len(self.acceptance)
+        for k, a in zip(verified, accepted, strict=True):
+            # Draft j (1-based) is a trial when j ≤ k and drafts before it were accepted (j ≤ a+1).
+            for j in range(min(a + 1, k)):
+                hit = 1.0 if j < a else 0.0
+                self.acceptance[j] += self.rate * (hit - self.acceptance[j])
+                self.trials[j] += 1
+                observed[j] = True
+        deepest = max(verified)
+        for j in range(deepest, len(self.acceptance)):
+            self.acceptance[j] += self.drift * (self.prior - self.acceptance[j])
+
+
+class RoundCosts:
+    """Seconds of a round's verify (per batch size and k bucket) and draft forward (per batch
+    size), at the batch sizes measured; between them, linear in the batch size.
+
+    A drafter in another process cannot be timed at start-up: its cost is learnt from the rounds
+    (`observe_draft`), starting at 0 where unobserved — optimistic, so that rounds speculate and
+    measure it.
+    """
+
+    def __init__(self, batch_sizes: Sequence[int], verify: dict[int, Sequence[float]],
+                 draft: Sequence[float] | None, *, draft_rate: float = 0.1):
+        self.batch_sizes = list(batch_sizes)
+        if self.batch_sizes != sorted(set(self.batch_sizes)) or not self.batch_sizes:
+            raise ValueError(f"batch sizes {batch_sizes} must be distinct and ascending")
+        for k, seconds in verify.items():
+            if len(seconds) != len(self.batch_sizes):
+                raise ValueError(f"verify costs of k={k}: {len(seconds)} values for {len(self.batch_sizes)} batch sizes")
+        # Timing noise must not make a larger batch or k look cheaper: running maxima both ways.
+        ks = sorted(verify)
+        by_k = {k: monotone(verify[k]) for k in ks}
+        by_size = [monotone([by_k[k][i] for k in ks]) for i in range(len(self.batch_sizes))]
+        self.verify = {k: [by_size[i][j] for i in range(len(self.batch_sizes))] for j, k in enumerate(ks)}
+        self.measured_draft = draft is not None
+        self.draft = monotone(draft) if draft is not None else [0.0] * len(self.batch_sizes)
+        self.draft_rate = draft_rate
+
+    @property
+    def ks(self) -> tuple[int, ...]:
+        return tuple(sorted(self.verify))
+
+    def _interpolate(self, values: Sequence[float], n: int) -> float:
+        sizes = self.batch_sizes
+        if n <= sizes[0] or len(sizes) == 1:
+            return values[0] * (n / sizes[0] if n < sizes[0] else 1.0)
+        at = min(bisect.bisect_left(sizes, n), len(sizes) - 1)
+        lo, hi = sizes[at - 1], sizes[at]
+        return values[at - 1] + (values[at] - values[at - 1]) * (n - lo) / (hi - lo)
+
+    def verify_seconds(self, n: int, k: int) -> float:
+        return self._interpolate(self.verify[k], n)
+
+    def draft_seconds(self, n: int) -> float:
+        return self._interpolate(self.draft, n)
+
+    def observe_draft(self, n: int, seconds: float) -> None:
+        """A remote drafter's round at batch `n` took `seconds`: into the nearest measured size's
+        moving average (its first observation replaces the optimistic 0)."""
+        at = min(range(len(self.batch_sizes)), key=lambda i: abs(self.batch_sizes[i] - n))
+        scaled = seconds * self.batch_sizes[at] / n  # to that size, as if linear in n nearby
+        old = self.draft[at]
+        self.draft[at] = scaled if old == 0.0 else old + self.draft_rate * (scaled - old)
+
+
+def time_call(run: Callable[[], None], sync: Callable[[], None], *, reps: int = 3, budget_s: float = 0.02,
+              warm_up: bool = True) -> float:
+    """Seconds one call of `run` takes: a warm-up, then the minimum over up to `reps` timed calls
+    (fewer when one takes longer than `budget_s`). The minimum, not the mean: on a shared CPU
+    other processes only ever add time, so the fastest call is the least disturbed."""
+    if warm_up:
+        run()
+        sync()
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+        if best > budget_s:
+            break
+    return best
+
+
+def monotone(values: Sequence[float]) -> list[float]:
+    """Running maximum: a larger shape never costs less (removes timing noise that would make
+    the policy prefer a larger k or batch for being cheaper)."""
+    out, top = [], 0.0
+    for v in values:
+        top = max(top, v)
+        out.append(top)
+    return out
+
+
+class SpeculationPolicy:
+    """Chooses each round's k (see the module doc).
+
+    Exploration: after `probe_interval` AR rounds in a row, one round verifies the smallest
+    k > 0 — a cheap measurement of the first draft's acceptance, which gates every deeper one —
+    but only where speculating would pay at the prior acceptance (else no acceptance could make
+    it pay, and there is nothing to learn). A policy that chose AR under a bad spell thus
+    returns to speculating when acceptance recovers, at a cost of at most one probe round in
+    `probe_interval`.
+    """
+
+    def __init__(self, config: EngineConfig, block_size: int, costs: RoundCosts | None = None,
+                 tracker: AcceptanceTracker | None = None, *, probe_interval: int = 64):
+        self.mode = config.speculation
+        self.table = dict(config.num_speculative_tokens_per_batch_size)
+        self.block_size = block_size
+        self.ks = k_buckets(block_size, self.table)
+        self.costs = costs
+        self.tracker = tracker or AcceptanceTracker(max(block_size - 1, 0))
+        self.probe_interval = probe_interval
+        self._ar_rounds = 0  # AR rounds chosen in a row by the adaptive policy
+
+    def needs_costs(self) -> bool:
+        """Whether some batch size is left to the adaptive policy (the table does not cover all)."""
+        return self.block_size > 1 and self.mode == "adaptive" and (not self.table or table_k(self.table, 1) is None)
+
+    def choose(self, caps: Sequence[int | None]) -> int:
+        """k for a batch whose requests allow at most caps[i] drafts (None: no limit)."""
+        top = self.block_size - 1
+        caps = [top if c is None else min(c, top) for c in caps]
+        limit = max(caps, default=0)
+        if limit == 0:
+            return 0
+        forced = table_k(self.table, len(caps)) if self.table else None
+        if forced is not None:
+            return self._bucket_at_most(min(forced, limit))
+        if self.mode == "fixed":
+            return self._bucket_at_most(limit)
+        if self.costs is None:
+            raise RuntimeError("adaptive speculation has no round costs: call Engine.measure_round_costs() first")
+        k = self._best_k(caps, limit, self.tracker.acceptance)
+        if k:
+            self._ar_rounds = 0
+            return k
+        self._ar_rounds += 1
+        if self._ar_rounds >= self.probe_interval and self._best_k(caps, limit, [self.tracker.prior] * top):
+            self._ar_rounds = 0
+            return next(b for b in self.ks if b > 0)
+        return 0
+
+    def _bucket_at_most(self, k: int) -> int:
+        return max(b for b in self.ks if b <= k)
+
+    def _best_k(self, caps: Sequence[int], limit: int, acceptance: Sequence[float]) -> int:
+        n, costs = len(caps), self.costs
+        best_k, best_rate = 0, -1.0
+        for k in costs.ks:
+            if k > limit:
+                break
+            gain = sum(expected_tokens(acceptance, min(k, c)) for c in caps)
+            seconds = costs.verify_seconds(n, k) + (costs.draft_seconds(n) if k else 0.0)
+            rate = gain / seconds if seconds > 0 else math.inf
+            if rate > best_rate * (1 + 1e-9):  # ties go to the smaller k
+                best_k, best_rate = k, rate
+        return best_k
+
+    def observe_round(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
+        self.tracker.observe_round(verified, accepted)

@@ -1,0 +1,206 @@
+"""The load-adaptive speculation policy on known costs and acceptance (no models)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.config import EngineConfig
+from services.engine.speculation import (
+    AcceptanceTracker,
+    RoundCosts,
+    SpeculationPolicy,
+    expected_tokens,
+    k_buckets,
+    table_k,
+)
+
+B = 16
+
+
+def _costs(verify, draft=0.0, sizes=(1, 8, 32), ks=(0, 1, 3, 7, 15)) -> RoundCosts:
+    """verify(n, k) and draft(n) given as functions, tabulated at `sizes`."""
+    return RoundCosts(sizes, {k: [verify(n, k) for n in sizes] for k in ks},
+                      [draft(n) if callable(draft) else draft for n in sizes])
+
+
+def _policy(costs=None, acceptance=None, **config) -> SpeculationPolicy:
+    policy = SpeculationPolicy(EngineConfig(target="t", **config), B, costs)
+    if acceptance is not None:
+        policy.tracker.acceptance = list(acceptance)
+    return policy
+
+
+def _best_k_by_brute_force(costs, acceptance, caps):
+    n = len(caps)
+
+    def rate(k):
+        gain = sum(expected_tokens(acceptance, min(k, B - 1 if c is None else c)) for c in caps)
+        return gain / (costs.verify_seconds(n, k) + (costs.draft_seconds(n) if k else 0))
+
+    return max(costs.ks, key=lambda k: (rate(k), -k))
+
+
+def test_buckets_and_the_static_table():
+    assert k_buckets(16) == (0, 1, 3, 7, 15)
+    assert k_buckets(6) == (0, 1, 3, 5)  # 7 is above B-1
+    assert k_buckets(16, {"1": 10, 8: 2}) == (0, 1, 2, 3, 7, 10, 15)
+    assert k_buckets(1) == (0,)  # AR
+    table = {"1": 15, 8: 7, 32: 0}  # string keys, as YAML through Helm gives them
+    assert [table_k(table, n) for n in (1, 7, 8, 31, 32, 64)] == [15, 15, 7, 7, 0, 0]
+    assert table_k({4: 3}, 2) is None  # below the smallest entry: the policy decides
+
+
+def test_expected_tokens_is_one_plus_the_products_of_conditional_acceptance():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([1.0, 0.0, 1.0], 3) == 2.0
+
+
+def test_costs_interpolate_linearly_between_measured_batch_sizes():
+    costs = RoundCosts([1, 4, 16], {0: [1.0, 2.0, 8.0], 3: [2.0, 5.0, 11.0]}, [0.5, 1.0, 4.0])
+    assert costs.verify_seconds(1, 0) == 1.0
+    assert costs.verify_seconds(2, 0) == pytest.approx(1 + 1 / 3)
+    assert costs.verify_seconds(10, 3) == pytest.approx(8.0)
+    assert costs.verify_seconds(16, 3) == 11.0
+    assert costs.verify_seconds(32, 3) == pytest.approx(19.0)  # beyond: the last segment's line
+    assert costs.draft_seconds(7) == pytest.approx(1.0 + 3.0 * 3 / 12)
+    assert costs.ks == (0, 3)
+
+
+def test_noisy_measurements_are_made_monotone_in_batch_size_and_k():
+    costs = RoundCosts([1, 4], {0: [2.0, 1.5], 1: [1.0, 3.0]}, [0.3, 0.2])
+    assert costs.verify[0] == [2.0, 2.0]  # a larger batch never costs less
+    assert costs.verify[1] == [2.0, 3.0]  # nor a larger k
+    assert costs.draft == [0.3, 0.3]
+
+
+def test_a_remote_drafters_cost_is_learnt_from_rounds_starting_optimistic():
+    costs = RoundCosts([1, 8], {0: [1.0, 2.0]}, None)
+    assert not costs.measured_draft and costs.draft_seconds(4) == 0.0
+    costs.observe_draft(8, 0.4)
+    assert costs.draft_seconds(8) == 0.4  # the first observation replaces the optimistic 0
+    costs.observe_draft(8, 0.6)
+    assert costs.draft_seconds(8) == pytest.approx(0.4 + 0.1 * 0.2)
+    costs.observe_draft(2, 0.2)  # nearest measured size is 1: scaled to it
+    assert costs.draft_seconds(1) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("acceptance", [0.95, 0.8, 0.6, 0.3, 0.05])
+@pytest.mark.parametrize("n", [1, 4, 8, 20, 32])
+def test_the_policy_picks_the_k_with_the_most_tokens_per_second(n, acceptance):
+    # A memory-bound verify at small batches, compute-bound at large: cost ~ max(1, tokens / 64).
+    costs = _costs(lambda n, k: 1.0 + max(0.0, n * (k + 1) - 64) / 64, draft=lambda n: 0.2 + 0.01 * n)
+    acc = [acceptance] * (B - 1)
+    policy = _policy(costs, acc)
+    caps = [None] * n
+    assert policy.choose(caps) == _best_k_by_brute_force(costs, acc, caps)
+
+
+def test_small_batches_speculate_deep_and_large_batches_decode_ar():
+    costs = _costs(lambda n, k: 1.0 + max(0.0, n * (k + 1) - 32) / 32, draft=0.2)
+    policy = _policy(costs, [0.8] * (B - 1))
+    assert policy.choose([None]) == 15
+    assert policy.choose([None] * 32) == 0
+    # At low acceptance a drafted round does not pay even at batch 1.
+    assert _policy(costs, [0.1] * (B - 1)).choose([None]) == 0
+
+
+def test_request_limits_cap_k_and_an_all_opted_out_batch_decodes_ar():
+    costs = _costs(lambda n, k: 1.0, draft=0.0)  # verifying costs nothing extra: as deep as allowed
+    policy = _policy(costs, [0.9] * (B - 1))
+    assert policy.choose([None, None]) == 15
+    assert policy.choose([0, 0]) == 0
+    assert policy.choose([2, 3]) == 3  # the largest bucket within what some request can use
+    assert policy.choose([0, 5]) == 3  # 5 is no bucket: the largest bucket below
+    # fixed: every draft, within the requests' limits (rounded down to a bucket)
+    fixed = _policy(speculation="fixed")
+    assert fixed.choose([None] * 32) == 15 and fixed.choose([0, 9]) == 7 and fixed.choose([0]) == 0
+
+
+def test_the_static_table_overrides_the_policy_and_fixed_mode():
+    table = {1: 15, 8: 3, 32: 0}
+    for mode in ("adaptive", "fixed"):
+        policy = _policy(speculation=mode, num_speculative_tokens_per_batch_size=table)
+        assert not policy.needs_costs()  # the table covers every batch size
+        assert [policy.choose([None] * n) for n in (1, 7, 8, 31, 32)] == [15, 15, 3, 3, 0]
+        assert policy.choose([1] * 8) == 1  # and requests still cap it
+    partial = _policy(costs=_costs(lambda n, k: 1.0 + n * k), num_speculative_tokens_per_batch_size={8: 2})
+    assert partial.needs_costs() and partial.choose([None] * 8) == 2
+    assert partial.ks == (0, 1, 2, 3, 7, 15)
+
+
+def test_an_adaptive_policy_without_costs_says_what_to_do():
+    with pytest.raises(RuntimeError, match="measure_round_costs"):
+        _policy().choose([None])
+
+
+def test_acceptance_is_measured_per_position_conditionally():
+    tracker = AcceptanceTracker(4, prior=0.5, rate=1.0, drift=0.0)  # rate 1: the last trial's outcome
+    tracker.observe_round([4], [2])  # drafts 1, 2 accepted, 3 rejected, 4 never a trial
+    assert tracker.acceptance == [1.0, 1.0, 0.0, 0.5] and tracker.trials == [1, 1, 1, 0]
+    tracker.observe_round([1, 0], [1, 0])  # k 1: one trial; an opted-out sequence: none
+    assert tracker.acceptance == [1.0, 1.0, 0.0, 0.5] and tracker.trials == [2, 1, 1, 0]
+    tracker.observe_round([3], [3])  # all 3 verified accepted: draft 4 was not verified
+    assert tracker.acceptance == [1.0, 1.0, 1.0, 0.5]
+
+
+def test_positions_beyond_the_verified_ones_drift_back_to_the_prior():
+    tracker = AcceptanceTracker(3, prior=0.9, rate=1.0, drift=0.5)
+    tracker.observe_round([3], [1])  # 1 accepted, 2 rejected: [1, 0, 0.9]
+    tracker.observe_round([1], [1])  # positions 2 and 3 were not verified: halfway back
+    assert tracker.acceptance == [1.0, 0.45, 0.9]
+    tracker.observe_round([0], [0])  # an AR round measures nothing and moves nothing
+    assert tracker.acceptance == [1.0, 0.45, 0.9]
+
+
+def test_the_policy_learns_and_keeps_exploring_after_it_chose_ar():
+    costs = _costs(lambda n, k: 1.0 + 0.05 * k, draft=0.3)
+    policy = _policy(costs)
+    assert policy.choose([None]) == 15  # the optimistic prior speculates at once
+    chosen = []
+    while not chosen or chosen[-1] > 0:  # a drafter whose drafts are always rejected
+        chosen.append(policy.choose([None]))
+        policy.observe_round([chosen[-1]], [0])
+        assert len(chosen) < 500
+    # AR rounds measure nothing; every probe_interval-th round probes the first draft (k = 1).
+    chosen = [0]
+    for _ in range(64 * 20 - 1):
+        k = policy.choose([None])
+        chosen.append(k)
+        policy.observe_round([k], [0])
+    assert set(chosen) == {0, 1} and chosen.count(1) == 20
+    assert chosen[policy.probe_interval - 2] == 0 and chosen[policy.probe_interval - 1] == 1
+    # The drafter recovers: the probes measure it, and the policy speculates again.
+    for _ in range(64 * 40):
+        k = policy.choose([None])
+        policy.observe_round([k], [k])
+        if k > 1:
+            break
+    assert k > 1
+
+
+def test_no_probes_where_no_acceptance_could_make_speculation_pay():
+    costs = _costs(lambda n, k: 1.0 + n * k, draft=5.0)  # drafting costs 5 AR steps
+    policy = _policy(costs)
+    assert {policy.choose([None] * 8) for _ in range(1000)} == {0}
+
+
+def test_the_policy_state_is_bounded_however_long_it_runs():
+    policy = _policy(_costs(lambda n, k: 1.0 + 0.1 * k, draft=0.1))
+    sizes = lambda: {name: len(value) for name, value in vars(policy.tracker).items() if isinstance(value, list)}  # noqa: E731
+    before = sizes()
+    for i in range(20000):
+        k = policy.choose([None] * (1 + i % 8))
+        policy.observe_round([k] * (1 + i % 8), [i % (k + 1)] * (1 + i % 8))
+    assert sizes() == before == {"acceptance": B - 1, "trials": B - 1}
+    assert all(0.0 <= p <= 1.0 for p in policy.tracker.acceptance)
+
+
+def test_config_validation_names_the_bad_value():
+    with pytest.raises(ValueError, match="speculation='dynamic'"):
+        EngineConfig(target="t", speculation="dynamic")
+    with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
+        EngineConfig(target="t", num_speculative_tokens_per_batch_size={0: 3})
+    with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
+        EngineConfig(target="t", num_speculative_tokens_per_batch_size={4: -1})
+    EngineConfig(target="t", num_speculative_tokens_per_batch_size={"1": 15, 8: 0})
