@@ -241,9 +241,14 @@ class RoundGraphs:
         for size, bucket in self._captured.items():
             bucket.starts.fill_(context)
             bucket.block_tables.copy_(self.scratch_row.to(self.device).expand_as(bucket.block_tables))
-            out["verify"][size] = {k: time_call(v.graph.replay, sync, reps=reps) for k, v in bucket.verified.items()}
+            # The buckets share one memory pool, so another bucket's replays may have overwritten
+            # this one's drafts (a verify's intermediates can live where they are): a verify must
+            # read drafts written since — the draft's own, or zeros when drafts come from outside.
             if bucket.draft_graph is not None:
                 out["draft"][size] = time_call(bucket.draft_graph.replay, sync, reps=reps)
+            elif bucket.drafts is not None:
+                bucket.drafts.zero_()
+            out["verify"][size] = {k: time_call(v.graph.replay, sync, reps=reps) for k, v in bucket.verified.items()}
             bucket.starts.zero_()
         return out
 
