@@ -92,19 +92,21 @@ class RouterDeployment:
     running replicas through `reconfigure` and no model is loaded again."""
 
     def __init__(self, verifier, config: dict):
-        from transformers import AutoConfig
+        from transformers import AutoTokenizer
 
+        from services.models import load_target_config
         from services.router.auth import ApiKeys
         from services.router.openai_api import OpenAIServer
         from services.router.router import Router
 
         self.config = ServeConfig.from_dict(config)
         cfg = self.config
+        target, revision = cfg.engine.target, cfg.engine.target_revision
         max_len = cfg.engine.max_model_len or int(
-            getattr(AutoConfig.from_pretrained(cfg.engine.target).get_text_config(), "max_position_embeddings", 0) or 32768
+            getattr(load_target_config(target, revision), "max_position_embeddings", 0) or 32768
         )
         api_keys = ApiKeys.from_file(cfg.api_keys_file) if cfg.api_keys_file else None
-        self.router = Router(verifier, cfg.engine.target, max_model_len=max_len,
+        self.router = Router(verifier, AutoTokenizer.from_pretrained(target, revision=revision), max_model_len=max_len,
                              max_tokens_limit=cfg.engine.max_tokens_limit,
                              default_max_tokens=cfg.default_max_tokens, max_pending=cfg.max_pending,
                              running_verifiers=_running_verifiers, api_keys=api_keys)

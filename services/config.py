@@ -21,6 +21,12 @@ class EngineConfig:
     target: str = ""
     # None: target-only (autoregressive) decoding, the baseline every speedup is measured against.
     drafter: str | None = None
+    # The hub revision (commit sha or tag) of a target / drafter given as a hub repo id; None: the
+    # repo's default branch. Pin both in production: published drafters are retrained in place
+    # under the same repo id, so an unpinned restart can silently change acceptance. A local
+    # folder has no revisions: setting one for a folder is refused when the model loads.
+    target_revision: str | None = None
+    drafter_revision: str | None = None
     device: str = "cpu"
     # "auto" = the checkpoint's own dtype on GPU, float32 on CPU (bf16 matmuls are slow there).
     dtype: str = "auto"
@@ -60,6 +66,15 @@ class EngineConfig:
             raise ValueError(f"target_impl={self.target_impl!r}: choose one of {', '.join(TARGET_IMPLS)}")
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]")
+        for key in ("target_revision", "drafter_revision"):
+            revision = getattr(self, key)
+            if revision is not None and (not isinstance(revision, str) or not revision
+                                         or any(c.isspace() for c in revision)):
+                raise ValueError(f"{key}={revision!r} must be a hub commit sha, tag or branch name, as a string "
+                                 "(quote a sha of digits in YAML), or null for the repo's default branch")
+        if self.drafter_revision is not None and not self.drafter:
+            raise ValueError(f"drafter_revision={self.drafter_revision!r} is set without a drafter: "
+                             "set engine.drafter, or remove drafter_revision")
 
 
 TOPOLOGIES = ("split", "colocated")

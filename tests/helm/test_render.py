@@ -119,6 +119,20 @@ def test_a_router_setting_changes_serve_config_only_and_keeps_the_apps_code_vers
     assert _code_version(engine) != _code_version(base)
 
 
+def test_pinned_revisions_reach_the_server_and_a_new_pin_reloads_the_models():
+    """engine.target_revision / drafter_revision pass through to the server's config; a changed pin
+    changes the application's code version, so Serve restarts the replicas, which load that commit."""
+    base = render({})
+    pinned = render({"dflash": {"engine": {"target_revision": "abc123", "drafter_revision": "v2"}}})
+    engine = pinned.dflash_config["engine"]
+    assert (engine["target_revision"], engine["drafter_revision"]) == ("abc123", "v2")
+    assert ServeConfig.from_dict(pinned.dflash_config).engine.drafter_revision == "v2"
+    assert pinned.cluster == base.cluster
+    assert _code_version(pinned) != _code_version(base)
+    repinned = render({"dflash": {"engine": {"target_revision": "abc123", "drafter_revision": "v3"}}})
+    assert _code_version(repinned) != _code_version(pinned)
+
+
 def test_the_router_overrides_are_what_build_app_derives_from_the_same_config():
     from services.app import build_app
 
