@@ -112,14 +112,11 @@ class IncrementalDetokenizer:
 
 
 def _rust_tokenizer(tokenizer: Any) -> Tokenizer | None:
-    """The tokenizers.Tokenizer that decodes exactly as `tokenizer` does, or None. A transformers
-    tokenizer that cleans up spaces after decoding (clean_up_tokenization_spaces) does it in
-    Python, so its Rust backend alone would give other text."""
-    if isinstance(tokenizer, Tokenizer):
-        return tokenizer
-    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return None
-    return getattr(tokenizer, "backend_tokenizer", None)
+    """The tokenizers.Tokenizer behind `tokenizer`, or None. transformers' Python-side
+    clean_up_tokenization_spaces (WordPiece / Unigram tokenizers that ask for it) is not applied:
+    on windows of a stream it can delete a character outright (" ," after an emitted " " cleans
+    to ","), so streamed text is the Rust decode, as vLLM streams it."""
+    return tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
 
 
 class StopChecker:

@@ -283,3 +283,18 @@ def test_decoder_that_rewrites_earlier_text_falls_back_to_slicing(tokenizer):
     fast, slow = IncrementalDetokenizer(odd), IncrementalDetokenizer(DecodeOnly(odd))
     assert stream_text(fast, words, 1) == stream_text(slow, words, 1)
     assert fast._stream is not None  # back on a stream after the failed step
+
+
+def test_python_side_space_cleanup_is_not_applied_to_the_stream(tokenizer):
+    """transformers' clean_up_tokenization_spaces, applied to the window of each step as the
+    window path did, deletes characters (" ," after an emitted " " cleans to ","); the stream is
+    the Rust decode, every character kept."""
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=True)
+    # transformers cleans up WordPiece output only, unless told to for this byte-level BPE one.
+    wrapped.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    tokens = ids(tokenizer, "a , b . c")
+    assert wrapped.decode(tokens) == "a, b. c"
+    window = IncrementalDetokenizer(DecodeOnly(wrapped))
+    assert "".join(window.add([t]) for t in tokens) + window.flush() == "a  b  c"  # the comma and the stop lost
+    detok = IncrementalDetokenizer(wrapped)
+    assert "".join(detok.add([t]) for t in tokens) + detok.flush() == "a , b . c"
