@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from services.config import ServeConfig
 from services.verifier.verifier import DRAFTER_CPUS
@@ -50,6 +51,16 @@ def lost_replicas_are_unavailable(servicer, server) -> None:
     proxy.get_grpc_response_status = status
 
 
+def _log_through_serve() -> None:
+    """Serve writes a replica's log (logs/serve/replica_*.log, and stderr) from its `ray.serve`
+    logger alone, and Python drops other loggers' INFO records: the `services` loggers (the
+    startup log: the models and their revisions, the KV cache, the target's forward) write through
+    the same handlers, so that the replica's log says what it serves."""
+    ours = logging.getLogger("services")
+    ours.setLevel(logging.INFO)
+    ours.handlers = list(logging.getLogger("ray.serve").handlers)
+
+
 def _replica_metrics(deployment: str, model: str):
     from ray import serve
 
@@ -62,6 +73,7 @@ class VerifierDeployment:
     def __init__(self, config: dict):
         from services.verifier.verifier import Verifier
 
+        _log_through_serve()
         self.verifier = Verifier(config, metrics=_replica_metrics("verifier", config["engine"]["target"]))
 
     async def generate(self, prompt_ids, params, request_id=None):
@@ -99,6 +111,7 @@ class RouterDeployment:
         from services.router.openai_api import OpenAIServer
         from services.router.router import Router
 
+        _log_through_serve()
         self.config = ServeConfig.from_dict(config)
         cfg = self.config
         target, revision = cfg.engine.target, cfg.engine.target_revision
