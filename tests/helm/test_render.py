@@ -133,6 +133,15 @@ def test_pinned_revisions_reach_the_server_and_a_new_pin_reloads_the_models():
     assert _code_version(repinned) != _code_version(pinned)
 
 
+@pytest.mark.parametrize("model", ["target", "drafter"])
+def test_a_revision_for_a_model_folder_is_refused_at_install(model):
+    """The server refuses it when the model loads; the chart says so before any pod starts."""
+    engine = {model: f"/models/org/{model}", f"{model}_revision": "abc123"}
+    with pytest.raises(helm_python.HelmRenderError, match=rf"dflash.engine.{model}_revision is set, but "
+                                                          rf"dflash.engine.{model} /models/org/{model} is a folder"):
+        render({"dflash": {"engine": engine}})
+
+
 def test_the_router_overrides_are_what_build_app_derives_from_the_same_config():
     from services.app import build_app
 
