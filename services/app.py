@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from services.config import ServeConfig
 from services.verifier.verifier import DRAFTER_CPUS
@@ -50,6 +51,16 @@ def lost_replicas_are_unavailable(servicer, server) -> None:
     proxy.get_grpc_response_status = status
 
 
+def _log_through_serve() -> None:
+    """Serve writes a replica's log (logs/serve/replica_*.log, and stderr) from its `ray.serve`
+    logger alone, and Python drops other loggers' INFO records: the `services` loggers (the
+    startup log: the models and their revisions, the KV cache, the target's forward) write through
+    the same handlers, so that the replica's log says what it serves."""
+    ours = logging.getLogger("services")
+    ours.setLevel(logging.INFO)
+    ours.handlers = list(logging.getLogger("ray.serve").handlers)
+
+
 def _replica_metrics(deployment: str, model: str):
     from ray import serve
 
@@ -62,6 +73,7 @@ class VerifierDeployment:
     def __init__(self, config: dict):
         from services.verifier.verifier import Verifier
 
+        _log_through_serve()
         self.verifier = Verifier(config, metrics=_replica_metrics("verifier", config["engine"]["target"]))
 
     async def generate(self, prompt_ids, params, request_id=None):
@@ -92,19 +104,22 @@ class RouterDeployment:
     running replicas through `reconfigure` and no model is loaded again."""
 
     def __init__(self, verifier, config: dict):
-        from transformers import AutoConfig
+        from transformers import AutoTokenizer
 
+        from services.models import load_target_config
         from services.router.auth import ApiKeys
         from services.router.openai_api import OpenAIServer
         from services.router.router import Router
 
+        _log_through_serve()
         self.config = ServeConfig.from_dict(config)
         cfg = self.config
+        target, revision = cfg.engine.target, cfg.engine.target_revision
         max_len = cfg.engine.max_model_len or int(
-            getattr(AutoConfig.from_pretrained(cfg.engine.target).get_text_config(), "max_position_embeddings", 0) or 32768
+            getattr(load_target_config(target, revision), "max_position_embeddings", 0) or 32768
         )
         api_keys = ApiKeys.from_file(cfg.api_keys_file) if cfg.api_keys_file else None
-        self.router = Router(verifier, cfg.engine.target, max_model_len=max_len,
+        self.router = Router(verifier, AutoTokenizer.from_pretrained(target, revision=revision), max_model_len=max_len,
                              max_tokens_limit=cfg.engine.max_tokens_limit,
                              default_max_tokens=cfg.default_max_tokens, max_pending=cfg.max_pending,
                              running_verifiers=_running_verifiers, api_keys=api_keys)

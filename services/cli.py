@@ -103,7 +103,8 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"rope             {cfg.rope.rope_type}, theta {cfg.rope.theta:g}")
     if args.target:
         try:
-            target = TargetModel.from_pretrained(args.target, cfg.target_layer_ids, dtype=torch.float32)
+            target = TargetModel.from_pretrained(args.target, cfg.target_layer_ids, dtype=torch.float32,
+                                                 revision=args.target_revision)
             drafter.check_target(target)
         except (TargetLoadError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr)
@@ -411,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("drafter", help="drafter folder or hub repo id (e.g. z-lab/Qwen3-8B-DFlash-b16)")
     inspect.add_argument("--target", help="target model folder or hub repo id to check compatibility with")
     inspect.add_argument("--revision", help="hub revision of the drafter (pin it: z-lab retrains repos in place)")
+    inspect.add_argument("--target-revision", help="hub revision of --target")
     inspect.set_defaults(run=_inspect)
 
     gen = sub.add_parser("generate", help="run the engine in-process on one prompt and print text and acceptance")
@@ -503,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     trn = sub.add_parser("train", help="train a DFlash drafter for a target: regenerate answers with the target, "
                                        "train, write a z-lab checkpoint (dflash-spec §4)")
     trn.add_argument("--target", required=True, help="HF causal LM folder or hub repo id")
+    trn.add_argument("--target-revision", help="the target's hub commit or tag (default: the repo's default branch)")
     trn.add_argument("--output", required=True, help="folder for the checkpoint, training state, log and data")
     trn.add_argument("--stage", choices=["all", "data", "train"], help="data: only regenerate answers; "
                      "train: only train on the answers already there; all (default): both")
@@ -527,6 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--mask-token-id", type=int, help="default: an unused embedding row or spare special token")
     model.add_argument("--init-from", help="start from this drafter checkpoint (folder or hub repo id), e.g. to "
                                            "train a served drafter further on new data; its architecture wins")
+    model.add_argument("--init-from-revision", help="the --init-from drafter's hub commit or tag")
     opt = trn.add_argument_group("optimisation")
     opt.add_argument("--gamma", type=float, help="position-weight decay (default 7 for B=16, 5 for B=10, 4 for B=8)")
     opt.add_argument("--lr", type=float, help="peak AdamW learning rate (default 6e-4)")

@@ -110,6 +110,11 @@ class EngineConfig(_Config):
                                         "the drafter's) keyed by content, shared between requests and kept after "
                                         "they finish until evicted: a prompt that starts like an earlier one (a "
                                         "system prompt, the conversation so far) skips prefilling that part.")
+    target_revision: str | None = Field(None, description="The hub revision (commit sha, tag or branch) of a target "
+                                        "given as a hub repo id; null: the repo's default branch. Refused for a "
+                                        "folder, which has no revisions.")
+    drafter_revision: str | None = Field(None, description="The hub revision of a drafter given as a hub repo id "
+                                         "(published drafters are retrained in place under the same id: pin it).")
     speculation: Speculation = Field("adaptive", description="How many of the drafter's B-1 drafts a round verifies "
                                      "(it still drafts them all; 0 = a plain AR step). adaptive: per round, the k that "
                                      "maximises the batch's expected tokens per second, from verify/draft costs "
@@ -125,6 +130,20 @@ class EngineConfig(_Config):
         if not value:
             raise ValueError("empty: name a target model folder or hub repo id")
         return value
+
+    @field_validator("target_revision", "drafter_revision")
+    @classmethod
+    def _revision(cls, value: str | None) -> str | None:
+        if value is not None and (not value or any(c.isspace() for c in value)):
+            raise ValueError("must be a hub commit sha, tag or branch name, with no spaces")
+        return value
+
+    @model_validator(mode="after")
+    def _pinned_drafter(self) -> EngineConfig:
+        if self.drafter_revision is not None and not self.drafter:
+            raise ValueError(f"drafter_revision={self.drafter_revision!r} is set without a drafter: set "
+                             "engine.drafter, or remove drafter_revision")
+        return self
 
     @field_validator("num_speculative_tokens_per_batch_size", mode="before")
     @classmethod

@@ -371,6 +371,7 @@ class GrpcBackend:
 
         info = model_info(self.address, timeout=10, metadata=self.metadata)
         return {"backend": "grpc", "address": self.address, "target": info.target, "drafter": info.drafter,
+                "target_revision": info.target_revision, "drafter_revision": info.drafter_revision,
                 "block_size": info.block_size, "topology": info.topology, "vocab_size": info.vocab_size}
 
     def run(self, prompts: Sequence[Prompt], sampling: BenchSampling, load: Load,

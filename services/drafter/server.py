@@ -170,8 +170,8 @@ class DrafterServer:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def load(cls, drafter_path: str, *, device: str, dtype: torch.dtype) -> DrafterServer:
-        return cls(load_drafter(drafter_path, dtype=dtype, device=device))
+    def load(cls, drafter_path: str, *, device: str, dtype: torch.dtype, revision: str | None = None) -> DrafterServer:
+        return cls(load_drafter(drafter_path, dtype=dtype, device=device, revision=revision))
 
     @property
     def address(self) -> tuple[str, int]:

@@ -32,16 +32,36 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def eos_token_ids(name_or_path: str, tokenizer) -> set[int]:
+def eos_token_ids(name_or_path: str, tokenizer, revision: str | None = None) -> set[int]:
     ids: set[int] = set()
     try:
-        eos = GenerationConfig.from_pretrained(name_or_path).eos_token_id
+        eos = GenerationConfig.from_pretrained(name_or_path, revision=revision).eos_token_id
         ids.update([eos] if isinstance(eos, int) else eos or [])
     except OSError:
         pass  # no generation_config.json: the tokenizer's EOS below is all there is
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def load_tokenizer(config: EngineConfig):
+    """(the target's tokenizer or None, its EOS token ids), at config.target_revision."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config.target, revision=config.target_revision)
+    except (OSError, ValueError):
+        log.warning("no tokenizer found with %s: token ids in and out only, no stop strings", config.target)
+        tokenizer = None
+    return tokenizer, eos_token_ids(config.target, tokenizer, config.target_revision)
+
+
+def log_models(config: EngineConfig) -> None:
+    """The startup log's record of exactly which models this replica serves."""
+
+    def source(name: str, revision: str | None) -> str:
+        return f"{name} at revision {revision}" if revision else f"{name} (unpinned: a local folder or the default branch)"
+
+    drafter = source(config.drafter, config.drafter_revision) if config.drafter else "none (target-only)"
+    log.info("models: target %s; drafter %s", source(config.target, config.target_revision), drafter)
 
 
 def num_kv_blocks(config: EngineConfig, device: torch.device, bytes_per_block: int) -> int:
@@ -75,20 +95,18 @@ def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions
 
 
 def build_engine(config: EngineConfig) -> Engine:
+    log_models(config)
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    drafter = load_drafter(config.drafter, dtype=dtype, device=device) if config.drafter else None
+    drafter = (load_drafter(config.drafter, dtype=dtype, device=device, revision=config.drafter_revision)
+               if config.drafter else None)
     layer_ids = drafter.config.target_layer_ids if drafter is not None else ()
-    target = TargetModel.from_pretrained(config.target, layer_ids, dtype=dtype, device=device)
+    target = TargetModel.from_pretrained(config.target, layer_ids, dtype=dtype, device=device,
+                                         revision=config.target_revision)
     if drafter is not None:
         drafter.check_target(target)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(config.target)
-    except (OSError, ValueError):
-        log.warning("no tokenizer found with %s: token ids in and out only, no stop strings", config.target)
-        tokenizer = None
-    return assemble_engine(config, target, drafter, tokenizer=tokenizer,
-                           eos_token_ids=eos_token_ids(config.target, tokenizer))
+    tokenizer, eos = load_tokenizer(config)
+    return assemble_engine(config, target, drafter, tokenizer=tokenizer, eos_token_ids=eos)
 
 
 def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDraftModel | None, *, tokenizer=None,

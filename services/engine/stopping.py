@@ -14,6 +14,9 @@ import enum
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
 from services.engine.sampling import SamplingParams
 
 
@@ -28,47 +31,92 @@ class FinishReason(enum.StrEnum):
 # has in context (SentencePiece-style tokenizers drop a leading space at the start of a decode).
 _CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+# tokenizers raises a plain Exception with this message when a decode does not start with the text
+# already emitted (a decoder whose output for earlier tokens depends on later ones).
+_INVALID_PREFIX = "Invalid prefix encountered"
 
 
 class IncrementalDetokenizer:
     """Turns output token ids into text as they come, emitting only text that is final.
 
-    Each call decodes a short window: the tokens from prefix_offset (already emitted context) to
-    the end, minus the text of the context alone. Text ending in U+FFFD is held back: with
-    byte-level tokenizers a multi-byte character spans several tokens and is broken until the last
-    one arrives.
+    The text of new tokens is the decode of (context + new tokens) minus the decode of the
+    context, where the context is the tokens of the last emitted text (at first, the prompt's
+    last few). Text ending in U+FFFD is held back: with byte-level tokenizers a multi-byte
+    character spans several tokens and is broken until the last one arrives.
+
+    A Rust tokenizer (a `tokenizers.Tokenizer`, or a transformers tokenizer's backend_tokenizer)
+    does this in tokenizers' DecodeStream, one call per step; any other tokenizer (anything with
+    decode(ids, skip_special_tokens=...)) decodes the same two windows from Python.
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True):
-        """tokenizer: a `tokenizers.Tokenizer` or a transformers tokenizer (anything with
-        decode(ids, skip_special_tokens=...))."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
-        self._prefix_offset = 0  # start of the decoded window
-        self._read_offset = len(self._ids)  # end of the text already emitted
+        self._rust = _rust_tokenizer(tokenizer)
+        self._context = list(prompt_ids[-_CONTEXT_TOKENS:])  # the tokens of the last emitted text
+        self._pending: list[int] = []  # tokens since, whose text is not final yet
+        self._stream = self._stream_from_context()
 
     def add(self, token_ids: Iterable[int]) -> str:
         """Append tokens; return the newly final text ('' while a character is still incomplete)."""
-        self._ids.extend(token_ids)
-        return self._advance(hold_incomplete=True)
+        token_ids = list(token_ids)
+        if not token_ids:
+            return ""
+        self._pending += token_ids
+        text = None
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self._rust, token_ids) or ""
+            except Exception as err:  # noqa: BLE001 - tokenizers raises this one untyped
+                if not str(err).startswith(_INVALID_PREFIX):
+                    raise
+                self._stream = None  # its state is spoiled: this step by slicing, a new one after
+        if text is None:
+            text = self._window_text(hold_incomplete=True)
+        if text:
+            self._emitted()
+        return text
 
     def flush(self) -> str:
         """All text not yet returned, an incomplete trailing character included (as U+FFFD)."""
-        return self._advance(hold_incomplete=False)
+        text = self._window_text(hold_incomplete=False)
+        if text:
+            self._stream = None  # it still holds the tokens just flushed
+            self._emitted()
+        return text
 
-    def _advance(self, *, hold_incomplete: bool) -> str:
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full_text = self._decode(self._ids[self._prefix_offset :])
-        if len(full_text) <= len(prefix_text) or (hold_incomplete and full_text.endswith(_REPLACEMENT_CHAR)):
+    def _emitted(self) -> None:
+        """The pending tokens' text went out: they are the next step's context."""
+        self._context, self._pending = self._pending, []
+        if self._stream is None:
+            self._stream = self._stream_from_context()
+
+    def _stream_from_context(self) -> DecodeStream | None:
+        """A DecodeStream that emits text after self._context, or None (then the window path runs
+        until the next emission): without a Rust tokenizer, or when the context ends inside a
+        character (a prompt given as token ids), where DecodeStream would emit the context too."""
+        if self._rust is None or self._decode(self._context).endswith(_REPLACEMENT_CHAR):
+            return None
+        return DecodeStream(self._context, skip_special_tokens=self.skip_special_tokens)
+
+    def _window_text(self, *, hold_incomplete: bool) -> str:
+        context_text = self._decode(self._context)
+        full_text = self._decode(self._context + self._pending)
+        if len(full_text) <= len(context_text) or (hold_incomplete and full_text.endswith(_REPLACEMENT_CHAR)):
             return ""
-        # The tokens just emitted become the next window's context; older ones are not needed.
-        del self._ids[: self._read_offset]
-        self._prefix_offset, self._read_offset = 0, len(self._ids)
-        return full_text[len(prefix_text) :]
+        return full_text[len(context_text) :]
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+        decoder = self._rust or self.tokenizer  # the stream's own decode, so that both agree
+        return decoder.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+
+
+def _rust_tokenizer(tokenizer: Any) -> Tokenizer | None:
+    """The tokenizers.Tokenizer behind `tokenizer`, or None. transformers' Python-side
+    clean_up_tokenization_spaces (WordPiece / Unigram tokenizers that ask for it) is not applied:
+    on windows of a stream it can delete a character outright (" ," after an emitted " " cleans
+    to ","), so streamed text is the Rust decode, as vLLM streams it."""
+    return tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
 
 
 class StopChecker:

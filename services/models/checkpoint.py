@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from services.models.draft import DFlashDraftModel
 from services.models.draft_config import DFlashDraftConfig, DraftConfigError
+from services.models.revision import folder_revision_error
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -28,8 +29,12 @@ class CheckpointError(ValueError):
 
 
 def resolve_checkpoint(name_or_path: str | Path, revision: str | None = None) -> Path:
-    """A local folder, or a hub repo id fetched (or found in the HF cache) with huggingface_hub."""
+    """A local folder, or a hub repo id fetched (or found in the HF cache) with huggingface_hub
+    at `revision` (a commit or tag; None: the repo's default branch)."""
     path = Path(name_or_path).expanduser()
+    error = folder_revision_error("drafter", name_or_path, revision)
+    if error:
+        raise CheckpointError(error)
     if path.exists():
         if not (path / CONFIG_NAME).is_file():
             raise CheckpointError(f"{path} has no {CONFIG_NAME}: a DFlash drafter folder holds config.json and *.safetensors")

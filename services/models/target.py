@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
 from kernels import SkinnyLinear
+from services.models.revision import folder_revision_error
 
 
 class TargetLoadError(RuntimeError):
@@ -29,12 +30,19 @@ def _cannot_load(name_or_path: str, err: OSError) -> TargetLoadError:
     )
 
 
-def load_target_config(name_or_path: str) -> PreTrainedConfig:
+def load_target_config(name_or_path: str, revision: str | None = None) -> PreTrainedConfig:
     """The target's text config alone (no weights), with the same error as loading the model."""
+    _check_revision(name_or_path, revision)
     try:
-        return AutoConfig.from_pretrained(name_or_path).get_text_config()
+        return AutoConfig.from_pretrained(name_or_path, revision=revision).get_text_config()
     except OSError as err:
         raise _cannot_load(name_or_path, err) from err
+
+
+def _check_revision(name_or_path: str, revision: str | None) -> None:
+    error = folder_revision_error("target", name_or_path, revision)
+    if error:
+        raise TargetLoadError(error)
 
 
 def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
@@ -86,6 +94,8 @@ class TargetModel:
         device: str | torch.device = "cpu",
         revision: str | None = None,
     ) -> TargetModel:
+        """revision: the hub commit or tag of a repo id (None: its default branch)."""
+        _check_revision(name_or_path, revision)
         try:
             model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, revision=revision)
         except OSError as err:

@@ -68,6 +68,7 @@ SERVED_DTYPE = torch.bfloat16
 class TrainConfig:
     target: str
     output: str
+    target_revision: str | None = None  # the target's hub commit or tag (None: the default branch)
     # -- data: prompts answered by the target ---------------------------------------------------
     prompts: tuple[str, ...] = ("sharegpt", "gsm8k", "mbpp")
     data_dir: str = DEFAULT_DATA_DIR  # the bench-data folder
@@ -86,6 +87,7 @@ class TrainConfig:
     intermediate_size: int | None = None  # default: the target's
     mask_token_id: int | None = None  # default: see choose_mask_token_id
     init_from: str | None = None  # start from this drafter checkpoint (folder or hub id): architecture, weights
+    init_from_revision: str | None = None  # its hub commit or tag (None: the default branch)
     # -- optimisation (spec §4: AdamW 6e-4, warmup 4 %, cosine, clip 1.0, bf16) ----------------
     gamma: float | None = None  # default: 7 for B=16, 5 for B=10, 4 for B=8
     lr: float = 6e-4
@@ -167,7 +169,7 @@ def choose_mask_token_id(tokenizer, embedding_rows: int) -> int:
 def new_drafter_config(config: TrainConfig, tokenizer) -> DFlashDraftConfig:
     """A z-lab config.json for a fresh drafter at the target's width (spec §2.1): Qwen3-style
     layers with the target's heads, head_dim, MLP width and RoPE theta unless told otherwise."""
-    t = load_target_config(config.target)
+    t = load_target_config(config.target, config.target_revision)
     heads = t.num_attention_heads
     rows = t.vocab_size
     layer_ids = config.target_layer_ids or default_target_layer_ids(t.num_hidden_layers,
@@ -259,9 +261,9 @@ def held_out_tau(target: TargetModel, drafter_dir: Path, prompts: list[list[int]
 # -- the run -------------------------------------------------------------------------------------
 
 
-def _load_tokenizer(target: str):
+def _load_tokenizer(target: str, revision: str | None):
     try:
-        return AutoTokenizer.from_pretrained(target)
+        return AutoTokenizer.from_pretrained(target, revision=revision)
     except (OSError, ValueError):
         return None
 
@@ -314,18 +316,19 @@ def train(config: TrainConfig) -> Path:
         config = _resumed(config, state["config"])
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    tokenizer = _load_tokenizer(config.target)
+    tokenizer = _load_tokenizer(config.target, config.target_revision)
     if state:
         draft_config = DFlashDraftConfig.from_dict(state["drafter_config"])
     elif config.init_from:
-        init_folder = resolve_checkpoint(config.init_from)
+        init_folder = resolve_checkpoint(config.init_from, config.init_from_revision)
         draft_config = read_draft_config(init_folder)
         print(f"starting from the drafter in {config.init_from} (its architecture; the drafter flags are ignored)")
     else:
         draft_config = new_drafter_config(config, tokenizer)
-    target = TargetModel.from_pretrained(config.target, draft_config.target_layer_ids, dtype=dtype, device=device)
+    target = TargetModel.from_pretrained(config.target, draft_config.target_layer_ids, dtype=dtype, device=device,
+                                         revision=config.target_revision)
     target.model.requires_grad_(False)  # embedding and LM head included: both are shared, frozen
-    eos = eos_token_ids(config.target, tokenizer)
+    eos = eos_token_ids(config.target, tokenizer, config.target_revision)
     answers = Path(config.answers) if config.answers else out / ANSWERS_NAME
 
     if tokenizer is None and (config.stage != "train" or config.eval_set):

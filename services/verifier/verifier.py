@@ -50,7 +50,7 @@ def spawn_drafter_actor(config: ServeConfig) -> tuple:
         # this replica's GPU, as cuda:0 like the verifier does, so CUDA IPC handles open there.
         gpus = ",".join(str(g) for g in ray.get_gpu_ids())
         options["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": gpus}}
-    actor = ray.remote(DrafterActor).options(**options).remote(cfg.drafter, cfg.device, cfg.dtype)
+    actor = ray.remote(DrafterActor).options(**options).remote(cfg.drafter, cfg.device, cfg.dtype, cfg.drafter_revision)
     return actor, name
 
 
@@ -69,22 +69,22 @@ class Verifier:
             self.engine = build_engine(engine_cfg)
         else:
             import ray
-            from transformers import AutoTokenizer
 
-            from services.engine.loader import eos_token_ids
+            from services.engine.loader import load_tokenizer, log_models
 
-            draft_cfg = read_draft_config(resolve_checkpoint(engine_cfg.drafter))
+            log_models(engine_cfg)
+            draft_cfg = read_draft_config(resolve_checkpoint(engine_cfg.drafter, engine_cfg.drafter_revision))
             self.drafter_actor_name = None
             if self.drafter_actor is None:  # first: it loads its weights while the target loads
                 self.drafter_actor, self.drafter_actor_name = spawn_drafter_actor(self.config)
             address = self.drafter_actor.address.remote()
             device = torch.device(engine_cfg.device)
             dtype = resolve_dtype(engine_cfg.dtype, device)
-            target = TargetModel.from_pretrained(engine_cfg.target, draft_cfg.target_layer_ids, dtype=dtype, device=device)
-            tokenizer = AutoTokenizer.from_pretrained(engine_cfg.target)
+            target = TargetModel.from_pretrained(engine_cfg.target, draft_cfg.target_layer_ids, dtype=dtype,
+                                                 device=device, revision=engine_cfg.target_revision)
+            tokenizer, eos = load_tokenizer(engine_cfg)
             address = ray.get(address, timeout=600)  # the drafter's weights are on the GPU: size KV after
-            self.engine = assemble_engine(engine_cfg, target, None, tokenizer=tokenizer,
-                                          eos_token_ids=eos_token_ids(engine_cfg.target, tokenizer),
+            self.engine = assemble_engine(engine_cfg, target, None, tokenizer=tokenizer, eos_token_ids=eos,
                                           remote_drafter=draft_cfg)
             self.draft_block_size = draft_cfg.block_size
             self._pending_address = None  # a restarted drafter's address, while it is asked for
@@ -245,6 +245,8 @@ class Verifier:
         return {
             "target": cfg.target,
             "drafter": cfg.drafter or "",
+            "target_revision": cfg.target_revision or "",
+            "drafter_revision": cfg.drafter_revision or "",
             "block_size": getattr(self, "draft_block_size", self.engine.block_size),
             "max_model_len": self.engine.max_model_len,
             "max_tokens_limit": cfg.max_tokens_limit,

@@ -119,6 +119,29 @@ def test_a_router_setting_changes_serve_config_only_and_keeps_the_apps_code_vers
     assert _code_version(engine) != _code_version(base)
 
 
+def test_pinned_revisions_reach_the_server_and_a_new_pin_reloads_the_models():
+    """engine.target_revision / drafter_revision pass through to the server's config; a changed pin
+    changes the application's code version, so Serve restarts the replicas, which load that commit."""
+    base = render({})
+    pinned = render({"dflash": {"engine": {"target_revision": "abc123", "drafter_revision": "v2"}}})
+    engine = pinned.dflash_config["engine"]
+    assert (engine["target_revision"], engine["drafter_revision"]) == ("abc123", "v2")
+    assert ServeConfig.from_dict(pinned.dflash_config).engine.drafter_revision == "v2"
+    assert pinned.cluster == base.cluster
+    assert _code_version(pinned) != _code_version(base)
+    repinned = render({"dflash": {"engine": {"target_revision": "abc123", "drafter_revision": "v3"}}})
+    assert _code_version(repinned) != _code_version(pinned)
+
+
+@pytest.mark.parametrize("model", ["target", "drafter"])
+def test_a_revision_for_a_model_folder_is_refused_at_install(model):
+    """The server refuses it when the model loads; the chart says so before any pod starts."""
+    engine = {model: f"/models/org/{model}", f"{model}_revision": "abc123"}
+    with pytest.raises(helm_python.HelmRenderError, match=rf"dflash.engine.{model}_revision is set, but "
+                                                          rf"dflash.engine.{model} /models/org/{model} is a folder"):
+        render({"dflash": {"engine": engine}})
+
+
 def test_the_router_overrides_are_what_build_app_derives_from_the_same_config():
     from services.app import build_app
 

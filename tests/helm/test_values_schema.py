@@ -18,6 +18,7 @@ BAD_VALUES = [
     ({"dflash": {"topology": "pipeline"}}, ["/dflash/topology", "'split', 'colocated'"]),
     ({"dflash": {"num_replicas": "two"}}, ["/dflash/num_replicas", "want integer"]),
     ({"dflash": {"grpc_port": 9001}}, ["/dflash", "'grpc_port' not allowed"]),
+    ({"dflash": {"engine": {"drafter_revision": 20251125}}}, ["/dflash/engine/drafter_revision", "got number, want string"]),
     ({"gpuWorkers": {"gpusPerPod": 0}}, ["/gpuWorkers/gpusPerPod", "minimum"]),
     ({"gpuWorker": {"replicas": 2}}, ["'gpuWorker' not allowed"]),
     ({"models": {"source": "s3"}}, ["/models/source", "'hf', 'pvc', 'hostPath'"]),

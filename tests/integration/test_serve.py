@@ -194,6 +194,24 @@ def test_counters_are_consistent(app):
     assert per_pos == accepted
 
 
+def test_the_verifier_replica_log_names_the_models_it_serves(app):
+    """The startup log of each verifier replica (Serve's replica log file) says which models, at
+    which revisions, it loaded; unpinned here (local folders)."""
+    import glob
+
+    import ray
+
+    engine = app["config"].engine
+    line = (f"models: target {engine.target} (unpinned: a local folder or the default branch); "
+            f"drafter {engine.drafter} (unpinned: a local folder or the default branch)")
+    logs = os.path.join(ray._private.worker._global_node.get_logs_dir_path(), "serve", "replica_dflash_Verifier_*.log")
+
+    def logged() -> bool:
+        return any(line in open(path).read() for path in glob.glob(logs))
+
+    _wait(logged, timeout=30, what=f"{line!r} in {logs}")
+
+
 def test_health_and_reflection_answer(app):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 

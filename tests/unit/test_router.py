@@ -30,7 +30,8 @@ from tests.tokenizer import train_tiny_tokenizer
 
 VOCAB = 600
 MODEL_INFO = dict(target="tiny-target", drafter="tiny-drafter", block_size=6, max_model_len=64,
-                  max_tokens_limit=100, vocab_size=VOCAB, topology="split")
+                  max_tokens_limit=100, vocab_size=VOCAB, topology="split", target_revision="t-commit",
+                  drafter_revision="")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

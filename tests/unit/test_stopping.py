@@ -3,8 +3,12 @@ strings), held-back text, and multi-byte characters split across byte-level toke
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
+
 import pytest
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
 from services.engine.sampling import SamplingParams
@@ -189,3 +193,108 @@ def test_without_a_detokenizer_only_ids_are_checked(tokenizer):
     assert stop.append([5, 6, eos, 7]) == ([5, 6, eos], "", FinishReason.STOP)
     with pytest.raises(ValueError, match="stop strings need a detokenizer"):
         checker(tokenizer, SamplingParams(stop=("x",)), detokenizer=None)
+
+
+class DecodeOnly:
+    """A tokenizer with no Rust backend (only decode): the detokenizer's Python window path."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def stream_text(detok: IncrementalDetokenizer, tokens: list[int], round_size: int) -> tuple[list[str], str]:
+    pieces = [detok.add(tokens[i : i + round_size]) for i in range(0, len(tokens), round_size)]
+    return pieces, detok.flush()
+
+
+def assert_decode_stream_matches_window_path(tokenizer, token_ids: list[int], seed: int) -> None:
+    """The DecodeStream path streams the same pieces as the Python window path (today's
+    algorithm), for random prompt cuts, round sizes and special-token settings."""
+    rng = random.Random(seed)
+    for _ in range(40):
+        cut, round_size, skip = rng.randrange(0, 40), rng.choice([1, 2, 5, 16]), rng.random() < 0.5
+        prompt, output = token_ids[:cut], token_ids[cut:]
+        fast = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+        slow = IncrementalDetokenizer(DecodeOnly(tokenizer), prompt, skip_special_tokens=skip)
+        assert fast._stream is not None or cut  # the Rust path is the one under test
+        assert stream_text(fast, output, round_size) == stream_text(slow, output, round_size)
+
+
+def test_decode_stream_matches_the_window_path_on_text(tokenizer):
+    text = (MULTIBYTE + " Ελληνικά, русский, עברית, हिन्दी, 日本語。<stop>\n") * 4
+    assert_decode_stream_matches_window_path(tokenizer, ids(tokenizer, text), seed=0)
+
+
+def test_decode_stream_matches_the_window_path_on_random_ids(tokenizer):
+    """Random ids (what a random-weight model emits): invalid UTF-8, prompts that end inside a
+    character, special tokens anywhere."""
+    rng = random.Random(1)
+    for seed in range(10):
+        assert_decode_stream_matches_window_path(tokenizer, [rng.randrange(600) for _ in range(120)], seed)
+
+
+SMOLLM2 = Path.home() / ".cache" / "dflash-serve" / "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(), reason=f"no SmolLM2 tokenizer at {SMOLLM2} (dflash fetch-default)")
+def test_decode_stream_matches_the_window_path_on_smollm2():
+    from transformers import AutoTokenizer
+
+    smol = AutoTokenizer.from_pretrained(SMOLLM2)
+    assert smol.backend_tokenizer is not None
+    chat = smol.apply_chat_template([{"role": "user", "content": MULTIBYTE}], add_generation_prompt=True, tokenize=False)
+    text = chat + MULTIBYTE + " Ελληνικά, русский, 日本語。<|im_end|>\n"
+    assert_decode_stream_matches_window_path(smol, smol.encode(text), seed=2)
+    rng = random.Random(3)
+    assert_decode_stream_matches_window_path(smol, [rng.randrange(len(smol)) for _ in range(120)], seed=3)
+
+
+def test_prompt_ending_inside_a_character_streams_only_the_output(tokenizer):
+    """A prompt given as ids may end inside a character: the output's text does not repeat the
+    prompt (DecodeStream alone would emit its prefill text here)."""
+    emoji = ids(tokenizer, "ab🙂cd")
+    for tok in (tokenizer, DecodeOnly(tokenizer)):
+        detok = IncrementalDetokenizer(tok, prompt_ids=emoji[:3])  # "ab" and half the emoji
+        assert [detok.add([t]) for t in emoji[3:]] == ["", "", "c", "d"]
+    assert IncrementalDetokenizer(tokenizer, prompt_ids=emoji[:3])._stream is None  # until the first text
+
+
+def test_decoder_that_rewrites_earlier_text_falls_back_to_slicing(tokenizer):
+    """tokenizers' DecodeStream raises "Invalid prefix" when a decode does not start with the text
+    already emitted; the step is sliced as the window path does, and a new stream goes on."""
+
+    class UppercaseFirstOnEvenCounts:
+        def decode_chain(self, tokens: list[str]) -> list[str]:
+            tokens = [t.replace("Ġ", " ") for t in tokens]
+            if len(tokens) % 2 == 0:
+                tokens[0] = tokens[0].upper()
+            return tokens
+
+    odd = Tokenizer.from_str(tokenizer.to_str())
+    odd.decoder = decoders.Decoder.custom(UppercaseFirstOnEvenCounts())
+    words = ids(odd, "hello world again and more")
+    with pytest.raises(Exception, match="Invalid prefix"):  # guards the test: the stream does fail here
+        stream = DecodeStream()
+        for t in words:
+            stream.step(odd, t)
+    fast, slow = IncrementalDetokenizer(odd), IncrementalDetokenizer(DecodeOnly(odd))
+    assert stream_text(fast, words, 1) == stream_text(slow, words, 1)
+    assert fast._stream is not None  # back on a stream after the failed step
+
+
+def test_python_side_space_cleanup_is_not_applied_to_the_stream(tokenizer):
+    """transformers' clean_up_tokenization_spaces, applied to the window of each step as the
+    window path did, deletes characters (" ," after an emitted " " cleans to ","); the stream is
+    the Rust decode, every character kept."""
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=True)
+    # transformers cleans up WordPiece output only, unless told to for this byte-level BPE one.
+    wrapped.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    tokens = ids(tokenizer, "a , b . c")
+    assert wrapped.decode(tokens) == "a, b. c"
+    window = IncrementalDetokenizer(DecodeOnly(wrapped))
+    assert "".join(window.add([t]) for t in tokens) + window.flush() == "a  b  c"  # the comma and the stop lost
+    detok = IncrementalDetokenizer(wrapped)
+    assert "".join(detok.add([t]) for t in tokens) + detok.flush() == "a , b . c"

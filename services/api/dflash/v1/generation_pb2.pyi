@@ -121,7 +121,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("target", "drafter", "block_size", "max_model_len", "max_tokens_limit", "vocab_size", "topology")
+    __slots__ = ("target", "drafter", "block_size", "max_model_len", "max_tokens_limit", "vocab_size", "topology", "target_revision", "drafter_revision")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,8 @@ class ModelInfo(_message.Message):
     MAX_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    TARGET_REVISION_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_REVISION_FIELD_NUMBER: _ClassVar[int]
     target: str
     drafter: str
     block_size: int
@@ -136,4 +138,6 @@ class ModelInfo(_message.Message):
     max_tokens_limit: int
     vocab_size: int
     topology: str
-    def __init__(self, target: _Optional[str] = ..., drafter: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., vocab_size: _Optional[int] = ..., topology: _Optional[str] = ...) -> None: ...
+    target_revision: str
+    drafter_revision: str
+    def __init__(self, target: _Optional[str] = ..., drafter: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., vocab_size: _Optional[int] = ..., topology: _Optional[str] = ..., target_revision: _Optional[str] = ..., drafter_revision: _Optional[str] = ...) -> None: ...
