@@ -7,7 +7,7 @@ import gzip
 import json
 from pathlib import Path
 
-from services.bench.prompts import SPEC_BENCH_CATEGORIES
+from services.bench.prompts import MAX_TURN_CHARS, SPEC_BENCH_CATEGORIES
 
 REAL_DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "bench-data"
 
@@ -30,6 +30,21 @@ def write_tiny_bench_data(folder: Path) -> Path:
         [{"task_id": t, "prompt": f"Write a function number {t}."} for t in (10, 11, 12, 511)]))
     (folder / "eagle_alpaca_question.jsonl").write_text(
         _lines([{"question_id": i, "turns": [f"Alpaca question {i}?", "a second turn"]} for i in range(2)]))
+    # ShareGPT: two conversations of two user turns and more; ones that cannot make two turns (one user
+    # turn, an answer first, a turn longer than MAX_TURN_CHARS) are left out by the loader.
+    with gzip.open(folder / "sharegpt_sample4k.jsonl.gz", "wt") as f:
+        f.write(_lines([
+            {"id": "c0", "conversations": [{"from": "human", "value": "Name a prime."}, {"from": "gpt", "value": "7"},
+                                           {"from": "human", "value": "And a larger one?"},
+                                           {"from": "gpt", "value": "11"}, {"from": "human", "value": "Thanks"}]},
+            {"id": "solo", "conversations": [{"from": "human", "value": "Just one turn."}, {"from": "gpt", "value": "ok"}]},
+            {"id": "late", "conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "human", "value": "Hello."},
+                                             {"from": "gpt", "value": "How can I help?"}]},
+            {"id": "long", "conversations": [{"from": "human", "value": "x" * (MAX_TURN_CHARS + 1)},
+                                             {"from": "gpt", "value": "ok"}, {"from": "human", "value": "Shorter?"}]},
+            {"id": "c1", "conversations": [{"from": "human", "value": "Write a haiku."}, {"from": "gpt", "value": "..."},
+                                           {"from": "human", "value": "Now one about the sea."}]},
+        ]))
     (folder / "spec_bench_question.jsonl").write_text(_lines(
         [{"question_id": f"{c}-{i}", "category": c, "turns": [f"{c} question {i}"]}
          for c in SPEC_BENCH_CATEGORIES for i in range(2)]))
