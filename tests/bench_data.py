@@ -16,6 +16,10 @@ def _lines(rows: list[dict]) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 
 
+def _sharegpt(id_: str, *messages: tuple[str, str]) -> dict:
+    return {"id": id_, "conversations": [{"from": who, "value": text} for who, text in messages]}
+
+
 def write_tiny_bench_data(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with gzip.open(folder / "HumanEval.jsonl.gz", "wt") as f:
@@ -34,16 +38,12 @@ def write_tiny_bench_data(folder: Path) -> Path:
     # turn, an answer first, a turn longer than MAX_TURN_CHARS) are left out by the loader.
     with gzip.open(folder / "sharegpt_sample4k.jsonl.gz", "wt") as f:
         f.write(_lines([
-            {"id": "c0", "conversations": [{"from": "human", "value": "Name a prime."}, {"from": "gpt", "value": "7"},
-                                           {"from": "human", "value": "And a larger one?"},
-                                           {"from": "gpt", "value": "11"}, {"from": "human", "value": "Thanks"}]},
-            {"id": "solo", "conversations": [{"from": "human", "value": "Just one turn."}, {"from": "gpt", "value": "ok"}]},
-            {"id": "late", "conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "human", "value": "Hello."},
-                                             {"from": "gpt", "value": "How can I help?"}]},
-            {"id": "long", "conversations": [{"from": "human", "value": "x" * (MAX_TURN_CHARS + 1)},
-                                             {"from": "gpt", "value": "ok"}, {"from": "human", "value": "Shorter?"}]},
-            {"id": "c1", "conversations": [{"from": "human", "value": "Write a haiku."}, {"from": "gpt", "value": "..."},
-                                           {"from": "human", "value": "Now one about the sea."}]},
+            _sharegpt("c0", ("human", "Name a prime."), ("gpt", "7"), ("human", "And a larger one?"), ("gpt", "11"),
+                      ("human", "Thanks")),
+            _sharegpt("solo", ("human", "Just one turn."), ("gpt", "ok")),
+            _sharegpt("late", ("gpt", "Hi!"), ("human", "Hello."), ("gpt", "How can I help?")),
+            _sharegpt("long", ("human", "x" * (MAX_TURN_CHARS + 1)), ("gpt", "ok"), ("human", "Shorter?")),
+            _sharegpt("c1", ("human", "Write a haiku."), ("gpt", "..."), ("human", "Now one about the sea.")),
         ]))
     (folder / "spec_bench_question.jsonl").write_text(_lines(
         [{"question_id": f"{c}-{i}", "category": c, "turns": [f"{c} question {i}"]}

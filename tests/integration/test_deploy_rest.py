@@ -92,7 +92,8 @@ def _check_the_http_api(deployed, default_max_tokens: int) -> None:
     assert completion["choices"][0]["finish_reason"] == "length"
     for headers in ({}, {"Authorization": "Bearer sk-not-the-key"}):
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
-            refused = http.request(method, path, headers=headers, json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
+            refused = http.request(method, path, headers=headers, json=body)
             assert refused.status_code == 401, refused.text
             assert refused.json()["error"]["code"] == "invalid_api_key"
     assert http.get("/health").json() == {"status": "SERVING"}  # open, like gRPC's health service

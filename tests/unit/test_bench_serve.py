@@ -262,9 +262,10 @@ def test_conversations_are_built_from_the_sharegpt_file(tmp_path):
 def test_the_shared_sharegpt_sample_gives_its_two_turn_conversations():
     conversations = load_conversations("sharegpt-2turn", REAL_DATA_DIR)
     assert len(conversations) == 1656
-    assert conversations[0].turns == ("Sample definition, example and code of pairs trading in python using ADF test, "
-                                      "z-score, trading signal, execution and calculation of strategy MtM and strategy PnL",
-                                      "python code for MEAN-REVERSION STATISTICAL ARBITRAGE STRATEGY IN STOCKS")
+    assert conversations[0].turns == (
+        "Sample definition, example and code of pairs trading in python using ADF test, z-score, trading signal, "
+        "execution and calculation of strategy MtM and strategy PnL",
+        "python code for MEAN-REVERSION STATISTICAL ARBITRAGE STRATEGY IN STOCKS")
     assert all(len(c.turns) == 2 and 0 < len(turn) <= MAX_TURN_CHARS for c in conversations for turn in c.turns)
 
 
@@ -401,8 +402,8 @@ def test_embedded_conversations_report_latencies_per_turn(model_pair):
     target, drafter = model_pair
     engine = build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=4))
     engine.synthetic_tau = 3.0
-    runs = run_bench(EmbeddedBackend(engine), {"chat": CONVERSATIONS}, [Load(2), Load(concurrency=2, request_rate=50.0)],
-                     SAMPLING, warmup=1, show_progress=False)
+    loads = [Load(2), Load(concurrency=2, request_rate=50.0)]
+    runs = run_bench(EmbeddedBackend(engine), {"chat": CONVERSATIONS}, loads, SAMPLING, warmup=1, show_progress=False)
     for run in runs:
         check_known_acceptance(run, 2 * len(CONVERSATIONS))  # both turns of every conversation
         assert [t["turn"] for t in run["turns"]] == [1, 2]
