@@ -278,7 +278,7 @@ def _bench_loads(args: argparse.Namespace) -> list:
 
 
 def _bench_prompt_sets(args: argparse.Namespace, setup: dict, tokenizer) -> dict:
-    from services.bench.prompts import load_prompts, random_prompts
+    from services.bench.prompts import CONVERSATION_LOADERS, load_conversations, load_prompts, random_prompts
 
     sets = {}
     for name in args.dataset.split(","):
@@ -289,9 +289,16 @@ def _bench_prompt_sets(args: argparse.Namespace, setup: dict, tokenizer) -> dict
             decode = tokenizer.decode if tokenizer is not None else None
             sets[name] = random_prompts(args.num_prompts, args.input_len, args.output_len, setup["vocab_size"],
                                         seed=args.seed or 0, decode=decode)
+        elif name in CONVERSATION_LOADERS:
+            sets[name] = load_conversations(name, args.data_dir, args.num_prompts)
         else:
             sets[name] = load_prompts(name, args.data_dir, args.num_prompts)
     return sets
+
+
+def _key_refused(api_key: str | None, variable: str) -> str:
+    given = "refused the API key given" if api_key else "requires an API key and none was given"
+    return f"{given}: pass the server's key with --api-key KEY (or in ${variable})"
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -300,6 +307,7 @@ def _bench(args: argparse.Namespace) -> int:
     import grpc
     import httpx
 
+    from services.bench.prompts import CONVERSATION_LOADERS
     from services.bench.serve_bench import (
         BenchSampling,
         EmbeddedBackend,
@@ -311,7 +319,7 @@ def _bench(args: argparse.Namespace) -> int:
     from services.models import CheckpointError, TargetLoadError
     from services.models.default_pair import DefaultPairError
 
-    tokenizer, base_url = None, args.base_url or "http://127.0.0.1:8000"
+    tokenizer, base_url, api_key = None, args.base_url or "http://127.0.0.1:8000", None
     try:
         if args.num_prompts < 1:
             raise ValueError("--num-prompts must be positive")
@@ -330,6 +338,10 @@ def _bench(args: argparse.Namespace) -> int:
                        args.endpoint != OpenAIBackend.ENDPOINTS[0]]
         if args.backend != "openai" and any(openai_only):
             raise ValueError("--base-url, --endpoint, --model, --tokenizer and --metrics-url go with --backend openai")
+        conversations = [name for name in named if name in CONVERSATION_LOADERS]
+        if conversations and args.backend == "openai" and args.endpoint != "/v1/chat/completions":
+            raise ValueError(f"{conversations[0]!r} sends conversations, which need the server's chat template: "
+                             "give --endpoint /v1/chat/completions")
         if args.backend == "embedded":
             from services.engine.loader import build_engine
 
@@ -342,12 +354,12 @@ def _bench(args: argparse.Namespace) -> int:
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-            backend = OpenAIBackend(base_url, endpoint=args.endpoint,
-                                    model=args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+            api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+            backend = OpenAIBackend(base_url, endpoint=args.endpoint, model=args.model, api_key=api_key,
                                     metrics_url=args.metrics_url, tokenizer=tokenizer, timeout=args.timeout)
         else:
-            backend = GrpcBackend(args.address, timeout=args.timeout,
-                                  api_key=args.api_key or os.environ.get("DFLASH_API_KEY"))
+            api_key = args.api_key or os.environ.get("DFLASH_API_KEY")
+            backend = GrpcBackend(args.address, timeout=args.timeout, api_key=api_key)
         setup = backend.describe()
         # Token prompts go as ids everywhere but in chat messages, which need their text.
         chat = args.backend == "openai" and backend.chat
@@ -356,10 +368,18 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except grpc.RpcError as err:
-        print(f"error: no dflash server answers at {args.address}: {err.code().name}: {err.details()}", file=sys.stderr)
+        if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+            print(f"error: the server at {args.address} {_key_refused(api_key, 'DFLASH_API_KEY')}", file=sys.stderr)
+        else:
+            print(f"error: no dflash server answers at {args.address}: {err.code().name}: {err.details()}",
+                  file=sys.stderr)
         return 2
     except httpx.HTTPError as err:
-        print(f"error: no OpenAI-compatible server answers at {base_url}: {err}", file=sys.stderr)
+        if isinstance(err, httpx.HTTPStatusError) and err.response.status_code in (401, 403):
+            print(f"error: the server at {base_url} {_key_refused(api_key, 'OPENAI_API_KEY')} "
+                  f"(HTTP {err.response.status_code})", file=sys.stderr)
+        else:
+            print(f"error: no OpenAI-compatible server answers at {base_url}: {err}", file=sys.stderr)
         return 2
     sampling = BenchSampling(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                              ignore_eos=args.ignore_eos)
@@ -482,7 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dataset", default="random",
                        help="comma-separated: random (--input-len token ids drawn from the vocabulary, "
                             "--output-len tokens asked), or a set read from --data-dir: humaneval, gsm8k, math500, "
-                            "mbpp, alpaca, spec-bench, spec-bench/{translation,summarization,qa,math_reasoning,rag}")
+                            "mbpp, alpaca, spec-bench, spec-bench/{translation,summarization,qa,math_reasoning,rag}, "
+                            "or sharegpt-2turn (conversations: turn 2, with turn 1 and its answer, is sent once the "
+                            "answer arrived; --num-prompts counts conversations; latencies reported per turn)")
     bench.add_argument("--data-dir", help="the folder holding the named sets' files (README: 'Benchmark prompt "
                                           "sets' lists them and where they come from)")
     bench.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens")

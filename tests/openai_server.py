@@ -2,7 +2,9 @@
 does, for testing `dflash bench --backend openai` over a real socket: /v1/models, streaming
 /v1/completions and /v1/chat/completions (SSE `data: {...}` chunks, `usage` in a last chunk when
 `stream_options.include_usage`, then `data: [DONE]`), and /metrics with vLLM's speculative-decoding
-counters, which every completed request advances by a known amount.
+and prefix-cache counters, which every completed request advances by a known amount. With `api_key`, every route
+but /metrics wants `Authorization: Bearer KEY`, as vLLM's `--api-key`. Every request's
+Authorization header is kept, to show what a client sent.
 
 Prompts ask for behaviour: "fail-400" is refused with HTTP 400; "fail-mid" streams one chunk,
 then an error chunk, as vLLM reports an error after the stream began."""
@@ -18,12 +20,15 @@ MODEL = "toy-model"
 TOKENS_PER_CHUNK = 2  # as a speculative server streams a round's tokens together
 # What one completed request adds to the counters: 2 rounds of 5 drafts, 3 accepted (2 + 1).
 DRAFTS, DRAFT_TOKENS, ACCEPTED, ACCEPTED_PER_POS = 2, 10, 3, (2, 1, 0, 0, 0)
+# And to the prefix-cache counters: prompt tokens looked up, and found.
+CACHE_QUERIES, CACHE_HITS = 8, 6
 
 
 class OpenAIProtocolServer:
     def __init__(self, api_key: str | None = None):
         self.api_key = api_key
         self.requests: list[dict] = []  # the bodies of the completion requests, in arrival order
+        self.authorizations: list[str | None] = []  # each request's Authorization header (/metrics aside)
         self.completed = 0
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -50,6 +55,8 @@ class OpenAIProtocolServer:
                  f'vllm:spec_decode_num_accepted_tokens_total{{model_name="{MODEL}"}} {ACCEPTED * n}.0']
         lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="{MODEL}",position="{j}"}} '
                   f'{count * n}.0' for j, count in enumerate(ACCEPTED_PER_POS)]
+        lines += [f'vllm:prefix_cache_queries_total{{model_name="{MODEL}"}} {CACHE_QUERIES * n}.0',
+                  f'vllm:prefix_cache_hits_total{{model_name="{MODEL}"}} {CACHE_HITS * n}.0']
         return "# TYPE vllm:spec_decode_num_drafts counter\n" + "\n".join(lines) + "\n"
 
     def _handler(self):
@@ -67,11 +74,19 @@ class OpenAIProtocolServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _authorized(self) -> bool:  # /metrics stays open, as on vLLM's server
+                sent = self.headers.get("Authorization")
+                with server.lock:
+                    server.authorizations.append(sent)
+                return not server.api_key or sent == f"Bearer {server.api_key}"
+
             def _error(self, status: HTTPStatus, message: str) -> None:
                 self._json(status, {"object": "error", "message": message, "type": status.phrase, "code": status})
 
             def do_GET(self):  # noqa: N802 - http.server's names
-                if self.path == "/v1/models":
+                if self.path == "/v1/models" and not self._authorized():
+                    self._error(HTTPStatus.UNAUTHORIZED, "bad API key")
+                elif self.path == "/v1/models":
                     self._json(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
                 elif self.path == "/metrics":
                     data = server.metrics_text().encode()
@@ -87,7 +102,7 @@ class OpenAIProtocolServer:
                 chat = self.path == "/v1/chat/completions"
                 if self.path not in ("/v1/completions", "/v1/chat/completions"):
                     return self._error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
-                if server.api_key and self.headers.get("Authorization") != f"Bearer {server.api_key}":
+                if not self._authorized():
                     return self._error(HTTPStatus.UNAUTHORIZED, "bad API key")
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with server.lock:

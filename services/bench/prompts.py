@@ -5,6 +5,11 @@ come from), and `random` token prompts of a fixed length, as vLLM's bench draws 
 Each prompt of a named set is one user message; the server (or the embedded bench) renders it with
 the target's chat template and `add_generation_prompt=True`, as DFlash's benchmark does. Only the
 first turn of multi-turn sets is used, as in DFlash's server benchmark.
+
+The conversation set (`sharegpt-2turn`) is different: each item is a conversation whose turns are
+sent one after the other, each after the answer to the one before has arrived, with the whole
+conversation so far (the earlier user turns and the server's own answers) as its messages: what a
+chat client sends, and what a prefix cache can serve from memory.
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ MBPP_TEST_IDS = range(11, 511)
 SPEC_BENCH_CATEGORIES = ("translation", "summarization", "qa", "math_reasoning", "rag")
 
 
+# ShareGPT's first human turns include whole papers and logs pasted in; a conversation is kept when
+# each of its two turns fits in this many characters (~1,000 tokens), so that the second turn,
+# with the first answer, fits the context of small targets.
+MAX_TURN_CHARS = 4000
+
+
 @dataclass(frozen=True)
 class Prompt:
     dataset: str
@@ -34,6 +45,38 @@ class Prompt:
     text: str  # the user message ("" for token prompts a backend cannot render as text)
     token_ids: tuple[int, ...] | None = None  # sent as is, no chat template (the random set)
     max_tokens: int | None = None  # this prompt's output length, over the run's --max-tokens
+    # The conversation before this message, (role, content) pairs: earlier user turns and the
+    # server's answers to them (a later turn of a Conversation).
+    history: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def turn(self) -> int:
+        return len(self.history) // 2 + 1
+
+    def messages(self) -> list[dict[str, str]]:
+        """The chat messages this request sends: the history, then this user message."""
+        return [{"role": role, "content": content} for role, content in self.history] + [
+            {"role": "user", "content": self.text}]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """User turns sent one after the other, each once the answer to the previous one has arrived."""
+
+    dataset: str
+    id: str
+    turns: tuple[str, ...]
+
+    def first(self) -> Prompt:
+        return Prompt(self.dataset, self.id, self.turns[0])
+
+    def after(self, sent: Prompt, answer: str) -> Prompt | None:
+        """The next turn's request, given the request just answered and its answer (None: the
+        conversation is over)."""
+        if sent.turn >= len(self.turns):
+            return None
+        history = (*sent.history, ("user", sent.text), ("assistant", answer))
+        return Prompt(self.dataset, self.id, self.turns[sent.turn], history=history)
 
 
 def _records(path: Path) -> Iterator[dict]:
@@ -100,6 +143,46 @@ def load_prompts(name: str, data_dir: str | Path = DEFAULT_DATA_DIR, limit: int 
     if limit is None:
         return prompts
     return [prompts[i % len(prompts)] for i in range(limit)]
+
+
+def _sharegpt_two_turns(data_dir: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """The first two user turns of each ShareGPT conversation that opens with a user turn followed
+    by an answer and a second user turn (the answers come from the server, not ShareGPT)."""
+    conversations = []
+    for r in _records(data_dir / "sharegpt_sample4k.jsonl.gz"):
+        turns = r.get("conversations") or []
+        roles = [t.get("from") for t in turns[:3]]
+        if roles != ["human", "gpt", "human"]:
+            continue
+        first, second = turns[0]["value"].strip(), turns[2]["value"].strip()
+        if first and second and max(len(first), len(second)) <= MAX_TURN_CHARS:
+            conversations.append((str(r["id"]), (first, second)))
+    return conversations
+
+
+CONVERSATION_LOADERS: dict[str, Callable[[Path], list[tuple[str, tuple[str, ...]]]]] = {
+    "sharegpt-2turn": _sharegpt_two_turns,
+}
+
+
+def load_conversations(name: str, data_dir: str | Path = DEFAULT_DATA_DIR,
+                       limit: int | None = None) -> list[Conversation]:
+    """The set's conversations in file order; with `limit`, the first `limit` (cycled when the set
+    is smaller, as load_prompts)."""
+    if name not in CONVERSATION_LOADERS:
+        raise ValueError(f"unknown conversation set {name!r}; known: {', '.join(CONVERSATION_LOADERS)}")
+    data_dir = Path(data_dir)
+    try:
+        rows = CONVERSATION_LOADERS[name](data_dir)
+    except FileNotFoundError as err:
+        raise ValueError(f"{err.filename} not found: --data-dir names the folder with the prompt set's files "
+                         "(README, 'Benchmark prompt sets', lists them and where they come from)") from None
+    conversations = [Conversation(name, id_, turns) for id_, turns in rows]
+    if not conversations:
+        raise ValueError(f"conversation set {name!r} is empty in {data_dir}")
+    if limit is None:
+        return conversations
+    return [conversations[i % len(conversations)] for i in range(limit)]
 
 
 def random_prompts(num_prompts: int, input_len: int, output_len: int, vocab_size: int, seed: int = 0,

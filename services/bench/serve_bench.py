@@ -18,7 +18,11 @@ sends them. Reported per run (see `summarize`), under our keys and under vLLM be
   whose draft at that position was accepted): from each request's final spec_stats (gRPC,
   embedded), or over HTTP from the server's Prometheus counters before and after the run
   (`--metrics-url`, as vLLM's bench reads its server's /metrics);
-- failed requests, by status code.
+- failed requests, by status code;
+- for conversations (`sharegpt-2turn`: each turn sent once the answer to the one before has
+  arrived, with the conversation so far), the same latencies per turn, and the prefix cache's hit
+  rate over the run's prompt tokens (the embedded engine's own counters, or the server's
+  Prometheus counters with `--metrics-url`).
 
 Results go to DIR/results.json, DIR/results.md and DIR/results.png.
 """
@@ -37,7 +41,20 @@ from pathlib import Path
 
 import numpy as np
 
-from services.bench.prompts import Prompt
+from services.bench.prompts import Conversation, Prompt
+
+# What a run sends: single requests, or conversations of several turns (counted as one item; the
+# load's concurrency counts conversations in flight, as a chat client holds one open).
+Item = Prompt | Conversation
+
+
+def first_prompt(item: Item) -> Prompt:
+    return item.first() if isinstance(item, Conversation) else item
+
+
+def next_prompt(item: Item, sent: Prompt, answer: str) -> Prompt | None:
+    """The request that follows `sent` once its answer arrived (None: the item is done)."""
+    return item.after(sent, answer) if isinstance(item, Conversation) else None
 
 
 @dataclass(frozen=True)
@@ -101,6 +118,12 @@ class RequestRecord:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     error: str | None = None  # the status code's name when the request failed
+    turn: int = 1  # of its conversation
+    text: list[str] = field(default_factory=list)  # the answer's pieces, as streamed
+
+    @property
+    def answer(self) -> str:
+        return "".join(self.text)
 
     def tokens_arrived(self, now: float, count: int) -> None:
         if count:
@@ -178,9 +201,41 @@ def _peaks(records: Sequence[RequestRecord]) -> tuple[float, int]:
     return float(max(per_second.values(), default=0)), most
 
 
-def summarize(records: Sequence[RequestRecord], duration: float, server_spec: SpecCounters | None = None) -> dict:
+@dataclass(frozen=True)
+class PrefixCacheCounters:
+    """Prompt tokens looked up in the prefix cache, and of those the ones found (vLLM's counts)."""
+
+    queries: float = 0.0
+    hits: float = 0.0
+
+    def __sub__(self, before: PrefixCacheCounters) -> PrefixCacheCounters:
+        return PrefixCacheCounters(self.queries - before.queries, self.hits - before.hits)
+
+
+def turn_summaries(records: Sequence[RequestRecord]) -> list[dict]:
+    """Per turn of the conversations: its requests' latencies (failed ones left out)."""
+    turns = []
+    for turn in sorted({r.turn for r in records}):
+        mine = [r for r in records if r.turn == turn]
+        ok = [r for r in mine if r.error is None]
+        turns.append({
+            "turn": turn,
+            "requests": len(mine),
+            "completed": len(ok),
+            "mean_input_tokens": statistics.fmean(r.input_tokens for r in ok) if ok else None,
+            "output_tokens": sum(r.output_tokens for r in ok),
+            "ttft_ms": distribution_ms([r.ttft for r in ok if r.ttft is not None]),
+            "tpot_ms": distribution_ms([r.tpot for r in ok if r.tpot is not None]),
+            "e2el_ms": distribution_ms([r.latency for r in ok if r.latency is not None]),
+        })
+    return turns
+
+
+def summarize(records: Sequence[RequestRecord], duration: float, server_spec: SpecCounters | None = None,
+              prefix_cache: PrefixCacheCounters | None = None) -> dict:
     """The run's metrics, under our keys and vLLM bench's. Speculation counters are pooled over the
-    successful requests' rounds, or are the server's (`server_spec`) where requests carry none."""
+    successful requests' rounds, or are the server's (`server_spec`) where requests carry none;
+    `prefix_cache`: the run's prefix-cache counts, where the backend knows them."""
     ok = [r for r in records if r.error is None]
     input_tokens = sum(r.input_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
@@ -245,6 +300,12 @@ def summarize(records: Sequence[RequestRecord], duration: float, server_spec: Sp
         "acceptance_rate": acceptance_rate,
         "accepted_per_position": list(spec.per_position),
         "acceptance_per_position": acceptance_per_position,
+        # Per turn of the conversations (one entry, turn 1, for single requests).
+        "turns": turn_summaries(records),
+        "prefix_cache_queries": None if prefix_cache is None else prefix_cache.queries,
+        "prefix_cache_hits": None if prefix_cache is None else prefix_cache.hits,
+        "prefix_cache_hit_rate": (prefix_cache.hits / prefix_cache.queries
+                                  if prefix_cache is not None and prefix_cache.queries else None),
         **vllm,
     }
 
@@ -267,76 +328,111 @@ class EmbeddedBackend:
         return {"backend": "embedded", "target": cfg.target, "drafter": cfg.drafter or "",
                 "speculation": cfg.speculation if cfg.drafter else "none (AR)",
                 "block_size": self.engine.block_size, "device": str(self.engine.device),
-                "vocab_size": self.engine.vocab_size}
+                "vocab_size": self.engine.vocab_size, "prefix_caching": cfg.enable_prefix_caching}
+
+    def prefix_cache_counters(self) -> PrefixCacheCounters:
+        scheduler = self.engine.scheduler
+        return PrefixCacheCounters(scheduler.prefix_cache_queries, scheduler.prefix_cache_hits)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget what earlier runs cached (nothing is running between runs), so that a run finds
+        only what its own requests left: not its warm-up's prompts, nor an earlier load's."""
+        self.engine.allocator.reset_prefix_cache()
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if prompt.token_ids is not None:
             return list(prompt.token_ids)
         tok = self.engine.tokenizer
         if tok.chat_template:
-            return list(tok.apply_chat_template([{"role": "user", "content": prompt.text}],
-                                                add_generation_prompt=True, tokenize=True, return_dict=False))
+            return list(tok.apply_chat_template(prompt.messages(), add_generation_prompt=True, tokenize=True,
+                                                return_dict=False))
+        if prompt.history:
+            raise ValueError("the target's tokenizer has no chat template to render a conversation with")
         return tok.encode(prompt.text)
 
-    def run(self, prompts: Sequence[Prompt], sampling: BenchSampling, load: Load,
+    def run(self, items: Sequence[Item], sampling: BenchSampling, load: Load,
             progress: Progress = lambda: None) -> list[RequestRecord]:
         from services.engine.sampling import SamplingParams
         from services.engine.stopping import FinishReason
 
-        engine, records, active = self.engine, [], {}
-        due = load.arrival_offsets(len(prompts)) if load.request_rate is not None else [0.0] * len(prompts)
-        cap = load.concurrency or len(prompts)
-        start, sent = time.perf_counter(), 0
-        while sent < len(prompts) or active:
+        engine, records = self.engine, []
+        active: dict[str, tuple[RequestRecord, int, Prompt]] = {}  # request id -> (record, item index, prompt)
+        follow_ups: list[tuple[int, Prompt]] = []  # next turns whose previous answer has arrived
+        due = load.arrival_offsets(len(items)) if load.request_rate is not None else [0.0] * len(items)
+        cap = load.concurrency or len(items)
+        start, sent, open_items = time.perf_counter(), 0, 0
+
+        def submit(index: int, prompt: Prompt) -> None:
+            nonlocal open_items
+            params = SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_tokens_for(prompt),
+                                    seed=sampling.request_seed(index), ignore_eos=sampling.ignore_eos)
+            record = RequestRecord(start=time.perf_counter(), turn=prompt.turn)
+            records.append(record)
+            try:
+                active[engine.add_request(self._prompt_ids(prompt), params)] = (record, index, prompt)
+            except ValueError:  # what the server answers with INVALID_ARGUMENT; the item ends here
+                record.error = "INVALID_ARGUMENT"
+                open_items -= 1
+                progress()
+
+        while sent < len(items) or active or follow_ups:
+            for index, prompt in follow_ups:  # first: their clients are waiting already
+                submit(index, prompt)
+            follow_ups.clear()
             now = time.perf_counter()
-            while sent < len(prompts) and len(active) < cap and start + due[sent] <= now:
-                prompt = prompts[sent]
-                params = SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_tokens_for(prompt),
-                                        seed=sampling.request_seed(sent), ignore_eos=sampling.ignore_eos)
-                record = RequestRecord(start=time.perf_counter())
-                records.append(record)
+            while sent < len(items) and open_items < cap and start + due[sent] <= now:
+                open_items += 1
                 sent += 1
-                try:
-                    active[engine.add_request(self._prompt_ids(prompt), params)] = record
-                except ValueError:  # what the server answers with INVALID_ARGUMENT
-                    record.error = "INVALID_ARGUMENT"
-                    progress()
+                submit(sent - 1, first_prompt(items[sent - 1]))
             if not active:
-                if sent < len(prompts):  # open loop, idle until the next arrival
+                if sent < len(items):  # open loop, idle until the next arrival
                     time.sleep(max(0.0, start + due[sent] - time.perf_counter()))
                 continue
             outputs = engine.step()
             now = time.perf_counter()
             for out in outputs:
-                record = active.get(out.request_id)
-                if record is None:
+                if out.request_id not in active:
                     continue
+                record, index, prompt = active[out.request_id]
                 record.tokens_arrived(now, len(out.new_token_ids))
-                if out.finished:
-                    del active[out.request_id]
-                    engine.release(out.request_id)
-                    record.end = now
-                    record.input_tokens, record.output_tokens = out.num_prompt_tokens, out.num_output_tokens
-                    if out.finish_reason is FinishReason.ERROR:
-                        record.error = "INTERNAL"
-                    _take_stats(record, out.stats.rounds, out.stats.draft_tokens, out.stats.accepted_tokens,
-                                out.stats.accepted_per_position)
+                record.text.append(out.new_text)
+                if not out.finished:
+                    continue
+                del active[out.request_id]
+                engine.release(out.request_id)
+                record.end = now
+                record.input_tokens, record.output_tokens = out.num_prompt_tokens, out.num_output_tokens
+                if out.finish_reason is FinishReason.ERROR:
+                    record.error = "INTERNAL"
+                _take_stats(record, out.stats.rounds, out.stats.draft_tokens, out.stats.accepted_tokens,
+                            out.stats.accepted_per_position)
+                following = None if record.error else next_prompt(items[index], prompt, record.answer)
+                if following is not None:
+                    follow_ups.append((index, following))
+                else:
+                    open_items -= 1
                     progress()
         return records
 
 
-async def _drive(prompts: Sequence[Prompt], load: Load, send: Callable[[int, Prompt], Awaitable[RequestRecord]],
+async def _drive(items: Sequence[Item], load: Load, send: Callable[[int, Prompt], Awaitable[RequestRecord]],
                  progress: Progress) -> list[RequestRecord]:
-    """Sends every prompt through `send` (which streams one request and returns its record) under
-    the load: closed-loop clients, or Poisson arrivals with at most `concurrency` in flight."""
+    """Sends every item through `send` (which streams one request and returns its record; a
+    conversation's turns one after the other, each once the answer before it has arrived) under the
+    load: closed-loop clients, or Poisson arrivals with at most `concurrency` items in flight."""
     records: list[RequestRecord] = []
 
-    async def one(index: int, prompt: Prompt) -> None:
-        records.append(await send(index, prompt))
+    async def one(index: int, item: Item) -> None:
+        prompt = first_prompt(item)
+        while prompt is not None:
+            record = await send(index, prompt)
+            record.turn = prompt.turn
+            records.append(record)
+            prompt = None if record.error else next_prompt(item, prompt, record.answer)
         progress()
 
     if load.request_rate is None:
-        queue = list(enumerate(prompts))[::-1]  # popped from the end: in order
+        queue = list(enumerate(items))[::-1]  # popped from the end: in order
 
         async def client() -> None:
             while queue:
@@ -344,16 +440,16 @@ async def _drive(prompts: Sequence[Prompt], load: Load, send: Callable[[int, Pro
 
         await asyncio.gather(*(client() for _ in range(load.concurrency)))
         return records
-    in_flight = asyncio.Semaphore(load.concurrency or len(prompts) or 1)
+    in_flight = asyncio.Semaphore(load.concurrency or len(items) or 1)
 
-    async def bounded(index: int, prompt: Prompt) -> None:
+    async def bounded(index: int, item: Item) -> None:
         async with in_flight:  # the request's clock starts when it is sent, as in vLLM's bench
-            await one(index, prompt)
+            await one(index, item)
 
     start, tasks = time.perf_counter(), []
-    for index, (prompt, due) in enumerate(zip(prompts, load.arrival_offsets(len(prompts)))):
+    for index, (item, due) in enumerate(zip(items, load.arrival_offsets(len(items)))):
         await asyncio.sleep(max(0.0, start + due - time.perf_counter()))
-        tasks.append(asyncio.create_task(bounded(index, prompt)))
+        tasks.append(asyncio.create_task(bounded(index, item)))
     await asyncio.gather(*tasks)
     return records
 
@@ -374,11 +470,11 @@ class GrpcBackend:
                 "target_revision": info.target_revision, "drafter_revision": info.drafter_revision,
                 "block_size": info.block_size, "topology": info.topology, "vocab_size": info.vocab_size}
 
-    def run(self, prompts: Sequence[Prompt], sampling: BenchSampling, load: Load,
+    def run(self, items: Sequence[Item], sampling: BenchSampling, load: Load,
             progress: Progress = lambda: None) -> list[RequestRecord]:
-        return asyncio.run(self._run(prompts, sampling, load, progress))
+        return asyncio.run(self._run(items, sampling, load, progress))
 
-    async def _run(self, prompts, sampling, load, progress) -> list[RequestRecord]:
+    async def _run(self, items, sampling, load, progress) -> list[RequestRecord]:
         import grpc
 
         from services.api.dflash.v1 import generation_pb2_grpc
@@ -395,12 +491,12 @@ class GrpcBackend:
                 if prompt.token_ids is not None:
                     request = build_request(token_ids=prompt.token_ids, sampling=params)
                 else:
-                    request = build_request(chat=[{"role": "user", "content": prompt.text}], sampling=params)
+                    request = build_request(chat=prompt.messages(), sampling=params)
                 record = RequestRecord(start=time.perf_counter())
                 await self._one(stub, request, record)
                 return record
 
-            return await _drive(prompts, load, send, progress)
+            return await _drive(items, load, send, progress)
 
     async def _one(self, stub, request, record: RequestRecord) -> None:
         import grpc
@@ -409,6 +505,7 @@ class GrpcBackend:
         try:
             async for response in stub.Generate(request, timeout=self.timeout, metadata=self.metadata):
                 record.tokens_arrived(time.perf_counter(), len(response.token_ids))
+                record.text.append(response.text)
                 last = response
         except grpc.aio.AioRpcError as err:
             record.error = err.code().name
@@ -430,6 +527,26 @@ SPEC_COUNTER_NAMES = {
     "per_position": ("vllm:spec_decode_num_accepted_tokens_per_pos_total",
                      "ray_dflash_spec_decode_num_accepted_tokens_per_pos_total"),
 }
+
+
+# Prefix-cache counters (prompt tokens looked up, and found): vLLM's names, or ours as Ray exports them.
+PREFIX_CACHE_COUNTER_NAMES = {
+    "queries": ("vllm:prefix_cache_queries_total", "ray_dflash_prefix_cache_queries_total"),
+    "hits": ("vllm:prefix_cache_hits_total", "ray_dflash_prefix_cache_hits_total"),
+}
+
+
+def parse_prefix_cache_counters(text: str) -> PrefixCacheCounters:
+    """The prefix-cache counters of a Prometheus text scrape, summed over every series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {"queries": 0.0, "hits": 0.0}
+    key_of = {name: key for key, names in PREFIX_CACHE_COUNTER_NAMES.items() for name in names}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in key_of:
+                totals[key_of[sample.name]] += sample.value
+    return PrefixCacheCounters(totals["queries"], totals["hits"])
 
 
 def parse_spec_counters(text: str) -> SpecCounters:
@@ -476,9 +593,10 @@ class OpenAIBackend:
     def describe(self) -> dict:
         import httpx
 
+        # Asked even with --model: a wrong address or API key fails here, not in every request.
+        reply = httpx.get(f"{self.base_url}/v1/models", headers=self.headers, timeout=10)
+        reply.raise_for_status()
         if self.model is None:  # the server's first model, as vLLM's bench takes it
-            reply = httpx.get(f"{self.base_url}/v1/models", headers=self.headers, timeout=10)
-            reply.raise_for_status()
             models = reply.json().get("data") or []
             if not models:
                 raise ValueError(f"{self.base_url}/v1/models lists no model; give --model")
@@ -489,15 +607,20 @@ class OpenAIBackend:
             setup["vocab_size"] = len(self.tokenizer)
         return setup
 
-    def spec_counters(self) -> SpecCounters | None:
-        """The server's speculative-decoding counters now (None without --metrics-url)."""
-        if self.metrics_url is None:
-            return None
+    def _scrape(self) -> str:
         import httpx
 
         reply = httpx.get(self.metrics_url, timeout=10)
         reply.raise_for_status()
-        return parse_spec_counters(reply.text)
+        return reply.text
+
+    def spec_counters(self) -> SpecCounters | None:
+        """The server's speculative-decoding counters now (None without --metrics-url)."""
+        return None if self.metrics_url is None else parse_spec_counters(self._scrape())
+
+    def prefix_cache_counters(self) -> PrefixCacheCounters | None:
+        """The server's prefix-cache counters now (None without --metrics-url)."""
+        return None if self.metrics_url is None else parse_prefix_cache_counters(self._scrape())
 
     def payload(self, index: int, prompt: Prompt, sampling: BenchSampling) -> dict:
         body = {"model": self.model, "temperature": sampling.temperature, "stream": True,
@@ -505,8 +628,10 @@ class OpenAIBackend:
         if self.chat:
             if not prompt.text:
                 raise ValueError("token prompts go to /v1/completions; for chat, --tokenizer renders them as text")
-            body["messages"] = [{"role": "user", "content": prompt.text}]
+            body["messages"] = prompt.messages()
             body["max_completion_tokens"] = sampling.max_tokens_for(prompt)
+        elif prompt.history:
+            raise ValueError("a conversation's later turns need the chat template: use --endpoint /v1/chat/completions")
         else:
             body["prompt"] = list(prompt.token_ids) if prompt.token_ids is not None else prompt.text
             body["max_tokens"] = sampling.max_tokens_for(prompt)
@@ -516,14 +641,14 @@ class OpenAIBackend:
             body["ignore_eos"] = True  # vLLM's extension to the OpenAI API
         return body
 
-    def run(self, prompts: Sequence[Prompt], sampling: BenchSampling, load: Load,
+    def run(self, items: Sequence[Item], sampling: BenchSampling, load: Load,
             progress: Progress = lambda: None) -> list[RequestRecord]:
-        return asyncio.run(self._run(prompts, sampling, load, progress))
+        return asyncio.run(self._run(items, sampling, load, progress))
 
-    async def _run(self, prompts, sampling, load, progress) -> list[RequestRecord]:
+    async def _run(self, items, sampling, load, progress) -> list[RequestRecord]:
         import httpx
 
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=load.concurrency or len(prompts))
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=load.concurrency or len(items))
         async with httpx.AsyncClient(base_url=self.base_url, headers=self.headers, limits=limits,
                                      timeout=httpx.Timeout(self.timeout, connect=10.0)) as client:
 
@@ -537,7 +662,7 @@ class OpenAIBackend:
                 record.end = time.perf_counter()
                 return record
 
-            return await _drive(prompts, load, send, progress)
+            return await _drive(items, load, send, progress)
 
     async def _one(self, client, body: dict, record: RequestRecord) -> None:
         async with client.stream("POST", self.endpoint, json=body) as response:
@@ -561,6 +686,7 @@ class OpenAIBackend:
                     text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
                     if text:
                         record.tokens_arrived(time.perf_counter(), 1)  # a chunk does not say its tokens
+                        record.text.append(text)
                 usage = chunk.get("usage") or usage
         if not done or usage is None:
             record.error = "INCOMPLETE"  # no [DONE], or no usage although include_usage asked for it
@@ -579,27 +705,33 @@ def _take_stats(record: RequestRecord, rounds: int, drafted: int, accepted: int,
 def run_bench(backend, prompt_sets: dict[str, list[Prompt]], loads: Sequence[Load], sampling: BenchSampling,
               warmup: int = 1, show_progress: bool = True) -> list[dict]:
     """One run per (load, prompt set): `warmup` unmeasured requests (closed loop), then every
-    prompt of the set under the load. Returns the runs' metrics."""
+    prompt of the set under the load. Returns the runs' metrics. Where the backend can (embedded),
+    each run starts from an empty prefix cache; a server keeps what the warm-up and earlier runs
+    sent, so their prompts hit it again."""
     from tqdm import tqdm
 
     spec_counters = getattr(backend, "spec_counters", lambda: None)  # the server's, where requests carry none
+    cache_counters = getattr(backend, "prefix_cache_counters", lambda: None)
+    clear_cache = getattr(backend, "clear_prefix_cache", lambda: None)
     runs = []
     for load in loads:
         for name, prompts in prompt_sets.items():
             if warmup:
                 backend.run(prompts[:warmup], sampling, Load(concurrency=min(warmup, load.concurrency or warmup)))
-            before = spec_counters()
+            clear_cache()
+            before, cache_before = spec_counters(), cache_counters()
             with tqdm(total=len(prompts), desc=f"{name} {load.describe()}", unit="req",
                       disable=not show_progress) as bar:
                 start = time.perf_counter()
                 records = backend.run(prompts, sampling, load, bar.update)
                 duration = time.perf_counter() - start
             server_spec = None if before is None else spec_counters() - before
+            prefix_cache = None if cache_before is None else cache_counters() - cache_before
             # vLLM's keys: a closed loop of c clients is its infinite rate with at most c in flight.
             rate = load.request_rate if load.request_rate not in (None, math.inf) else "inf"
             runs.append({"dataset": name, "concurrency": load.concurrency, "request_rate": rate,
                          "max_concurrency": load.concurrency, "burstiness": 1.0, "num_prompts": len(prompts),
-                         **summarize(records, duration, server_spec)})
+                         **summarize(records, duration, server_spec, prefix_cache)})
     return runs
 
 
@@ -654,6 +786,19 @@ def markdown_report(setup: dict, runs: list[dict]) -> str:
             cells = [f"{a:.2f}" for a in r["acceptance_per_position"]]
             cells += ["-"] * (positions - len(cells))
             lines.append(f"| {r['dataset']} | {load_label(r)} | " + " | ".join(cells) + " |")
+    conversational = [r for r in runs if len(r["turns"]) > 1]
+    if conversational:
+        lines += ["", "Per turn of the conversations (each turn sent once the answer to the one before arrived; "
+                  "prefix-cache hits: the run's prompt tokens found cached, all turns):", "",
+                  "| dataset | load | turn | ok | mean prompt tokens | TTFT | TPOT | E2E | prefix-cache hits |",
+                  "|---|---|---:|---:|---:|---|---|---|---:|"]
+        for r in conversational:
+            for t in r["turns"]:
+                latency = ["/".join(_fmt(t[key][stat]) for stat in ("mean", "median", "p99"))
+                           for key in ("ttft_ms", "tpot_ms", "e2el_ms")]
+                lines.append(f"| {r['dataset']} | {load_label(r)} | {t['turn']} | {t['completed']} | "
+                             f"{_fmt(t['mean_input_tokens'], '.0f')} | {' | '.join(latency)} | "
+                             f"{_fmt(r['prefix_cache_hit_rate'], '.1%')} |")
     return "\n".join(lines) + "\n"
 
 

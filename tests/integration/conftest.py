@@ -6,9 +6,12 @@ drafter actor shares it through CUDA IPC): the GPU machine's run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 
+import grpc
 import pytest
 
 from tests.served_pair import save_tiny_pair
@@ -49,3 +52,31 @@ def ray_serve():
     yield ports
     serve.shutdown()
     ray.shutdown()
+
+
+@contextlib.contextmanager
+def deployed_app(ports: dict, model_pair: tuple[str, str], **serve_config) -> Iterator[dict]:
+    """The real application (split topology, the tiny pair) deployed as `dflash` on the session's
+    Ray, ready on Serve's gRPC port; `serve_config`: ServeConfig fields over the tests' defaults.
+    Yields the config, a gRPC channel and stub, the Verifier's handle and the ports; deletes it afterwards."""
+    from ray import serve
+
+    from services.api.dflash.v1 import generation_pb2_grpc
+    from services.app import build_app
+    from services.config import EngineConfig, ServeConfig
+
+    target, drafter = model_pair
+    # fixed: every round drafts, so the speculative stats and counters the tests read always have rounds
+    config = ServeConfig(**{"engine": EngineConfig(target=target, drafter=drafter, device=DEVICE, num_kv_blocks=256,
+                                                   max_num_seqs=4, speculation="fixed"),
+                            "topology": "split", "max_pending": 8, "default_max_tokens": 32,
+                            "grpc_port": ports["grpc"], **serve_config})
+    serve.run(build_app(config), name="dflash", route_prefix="/")
+    channel = grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}")
+    try:
+        grpc.channel_ready_future(channel).result(timeout=30)
+        yield {"config": config, "channel": channel, "stub": generation_pb2_grpc.GenerationStub(channel),
+               "verifier": serve.get_deployment_handle("Verifier", app_name="dflash"), "ports": ports}
+    finally:
+        channel.close()
+        serve.delete("dflash")

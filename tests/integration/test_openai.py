@@ -18,9 +18,8 @@ import httpx
 import openai
 import pytest
 
-from services.api.dflash.v1 import generation_pb2, generation_pb2_grpc
-from services.config import EngineConfig, ServeConfig
-from tests.integration.conftest import DEVICE
+from services.api.dflash.v1 import generation_pb2
+from tests.integration.conftest import deployed_app
 
 pytestmark = pytest.mark.integration
 
@@ -30,25 +29,11 @@ MODEL = "tiny-pair"
 
 @pytest.fixture(scope="module")
 def app(ray_serve, model_pair, tmp_path_factory):
-    from ray import serve
-
-    from services.app import build_app
-
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text(f"{KEY}\nsk-second-key\n")
-    target, drafter = model_pair
-    config = ServeConfig(engine=EngineConfig(target=target, drafter=drafter, device=DEVICE, num_kv_blocks=256,
-                                             max_num_seqs=4, speculation="fixed"),
-                         topology="split", max_pending=8, default_max_tokens=32, grpc_port=ray_serve["grpc"],
-                         http_port=ray_serve["http"], served_model_name=MODEL, api_keys_file=str(keys))
-    serve.run(build_app(config), name="dflash", route_prefix="/")
-    channel = grpc.insecure_channel(f"127.0.0.1:{ray_serve['grpc']}")
-    grpc.channel_ready_future(channel).result(timeout=30)
-    base_url = f"http://127.0.0.1:{ray_serve['http']}/v1"
-    yield {"stub": generation_pb2_grpc.GenerationStub(channel), "channel": channel, "base_url": base_url,
-           "verifier": serve.get_deployment_handle("Verifier", app_name="dflash"), "ports": ray_serve}
-    channel.close()
-    serve.delete("dflash")
+    with deployed_app(ray_serve, model_pair, http_port=ray_serve["http"], served_model_name=MODEL,
+                      api_keys_file=str(keys)) as deployed:
+        yield {**deployed, "base_url": f"http://127.0.0.1:{ray_serve['http']}/v1"}
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,11 @@ import urllib.request
 import grpc
 import pytest
 
-from services.api.dflash.v1 import generation_pb2, generation_pb2_grpc
-from services.config import EngineConfig, ServeConfig
+from services.api.dflash.v1 import generation_pb2
+from services.config import EngineConfig
 from services.engine.loader import build_engine
 from services.engine.sampling import SamplingParams
-from tests.integration.conftest import DEVICE
+from tests.integration.conftest import DEVICE, deployed_app
 
 pytestmark = pytest.mark.integration
 
@@ -36,22 +36,8 @@ def _wait(predicate, timeout=60.0, what="condition"):
 
 @pytest.fixture(scope="module")
 def app(ray_serve, model_pair):
-    from ray import serve
-
-    from services.app import build_app
-
-    target, drafter = model_pair
-    # fixed: every round drafts, so the speculative stats and counters below always have rounds
-    config = ServeConfig(engine=EngineConfig(target=target, drafter=drafter, device=DEVICE, num_kv_blocks=256,
-                                             max_num_seqs=4, speculation="fixed"),
-                         topology="split", max_pending=8, default_max_tokens=32, grpc_port=ray_serve["grpc"])
-    serve.run(build_app(config), name="dflash", route_prefix="/")
-    channel = grpc.insecure_channel(f"127.0.0.1:{ray_serve['grpc']}")
-    grpc.channel_ready_future(channel).result(timeout=30)
-    yield {"stub": generation_pb2_grpc.GenerationStub(channel), "channel": channel, "config": config,
-           "verifier": serve.get_deployment_handle("Verifier", app_name="dflash"), "ports": ray_serve}
-    channel.close()
-    serve.delete("dflash")
+    with deployed_app(ray_serve, model_pair) as deployed:
+        yield deployed
 
 
 @pytest.fixture(scope="module")

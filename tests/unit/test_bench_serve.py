@@ -3,7 +3,10 @@ arrivals; the embedded engine end to end (CLI and report files), closed and open
 load loop against a real in-process gRPC server hosting the real Router in front of a real
 (colocated) Verifier, without Ray; and the OpenAI backend against a small OpenAI-protocol HTTP
 server on a real socket (tests/openai_server.py). The engine's benchmark-only `synthetic_tau`
-fixes every round's acceptance, so tau and per-position acceptance are known."""
+fixes every round's acceptance, so tau and per-position acceptance are known. Conversations
+(sharegpt-2turn) on all three backends: the second turn carries the first turn's answer as
+streamed and is sent only after it arrived; latencies per turn; prefix caching on and off.
+`--api-key` against servers that require a key, over gRPC and HTTP."""
 
 from __future__ import annotations
 
@@ -17,7 +20,13 @@ import grpc
 import pytest
 
 from services.api.dflash.v1 import generation_pb2_grpc
-from services.bench.prompts import Prompt, random_prompts
+from services.bench.prompts import (
+    MAX_TURN_CHARS,
+    Conversation,
+    Prompt,
+    load_conversations,
+    random_prompts,
+)
 from services.bench.serve_bench import (
     BenchSampling,
     EmbeddedBackend,
@@ -27,16 +36,20 @@ from services.bench.serve_bench import (
     RequestRecord,
     SpecCounters,
     distribution_ms,
+    PrefixCacheCounters,
+    markdown_report,
+    parse_prefix_cache_counters,
     parse_spec_counters,
     run_bench,
     summarize,
 )
 from services.config import EngineConfig
 from services.engine.loader import build_engine
+from services.router.auth import ApiKeys
 from services.router.router import Router, RpcFailed
 from services.verifier.verifier import Verifier
 from tests import openai_server
-from tests.bench_data import write_tiny_bench_data
+from tests.bench_data import REAL_DATA_DIR, write_tiny_bench_data
 from tests.openai_server import OpenAIProtocolServer
 from tests.served_pair import VOCAB, save_tiny_pair
 
@@ -45,6 +58,10 @@ PROMPTS = [Prompt("toy", str(i), text) for i, text in enumerate(
     ["def fib(n):", "Write a haiku about the sea.", "import os\nprint(os.getcwd())", "What is 2 + 2?", "Hello"])]
 # 1 token from the prefill, then rounds of 3 (synthetic tau 3): 1 + 3 + 3 = 7, exactly 2 rounds.
 SAMPLING = BenchSampling(max_tokens=7, ignore_eos=True)
+CONVERSATIONS = [Conversation("chat", str(i), turns) for i, turns in enumerate(
+    [("Name a prime.", "And a larger one?"), ("Write a haiku.", "Now one about the sea."),
+     ("def fib(n):", "Make it iterative.")])]
+API_KEY = "sk-bench-0123456789"
 
 
 # -- statistics -----------------------------------------------------------------------------------
@@ -144,6 +161,39 @@ def test_spec_counters_are_read_under_vllms_names_and_ours():
     assert SpecCounters(5, 25, 8, (5, 3)) - SpecCounters(4, 20, 6, (4,)) == SpecCounters(1, 5, 2, (1, 3))
 
 
+def test_prefix_cache_counters_are_read_under_vllms_names_and_ours():
+    ours = ('ray_dflash_prefix_cache_queries_total{model_name="m",replica="a"} 30.0\n'
+            'ray_dflash_prefix_cache_queries_total{model_name="m",replica="b"} 10.0\n'
+            'ray_dflash_prefix_cache_hits_total{model_name="m",replica="a"} 16.0\n'
+            'ray_dflash_spec_decode_num_drafts_total{model_name="m"} 3.0\n')
+    assert parse_prefix_cache_counters(ours) == PrefixCacheCounters(40.0, 16.0)
+    with OpenAIProtocolServer() as server:
+        server.completed = 3
+        assert parse_prefix_cache_counters(server.metrics_text()) == PrefixCacheCounters(
+            3.0 * openai_server.CACHE_QUERIES, 3.0 * openai_server.CACHE_HITS)
+    s = summarize([record(0.0, [(0.1, 1)], tokens=1)], 1.0, prefix_cache=PrefixCacheCounters(40.0, 16.0))
+    assert (s["prefix_cache_queries"], s["prefix_cache_hits"], s["prefix_cache_hit_rate"]) == (40.0, 16.0, 0.4)
+    assert summarize([record(0.0, [(0.1, 1)], tokens=1)], 1.0)["prefix_cache_hit_rate"] is None
+
+
+def test_latencies_per_turn_of_the_conversations():
+    records = [record(0.0, [(0.4, 1), (0.6, 2)], tokens=3, input_tokens=10),
+               record(0.0, [(0.2, 1)], tokens=1, input_tokens=12),
+               record(0.7, [(0.8, 1), (1.0, 1)], tokens=2, input_tokens=30),
+               record(0.3, [], tokens=0, error="INVALID_ARGUMENT")]
+    for r, turn in zip(records, (1, 1, 2, 2)):
+        r.turn = turn
+    one, two = summarize(records, duration=1.0)["turns"]
+    assert (one["turn"], one["requests"], one["completed"], one["output_tokens"]) == (1, 2, 2, 4)
+    assert one["mean_input_tokens"] == 11 and one["ttft_ms"]["mean"] == pytest.approx(300.0)
+    assert one["ttft_ms"]["median"] == pytest.approx(300.0) and one["ttft_ms"]["p99"] == pytest.approx(398.0)
+    assert (two["turn"], two["requests"], two["completed"], two["mean_input_tokens"]) == (2, 2, 1, 30)
+    assert two["ttft_ms"]["mean"] == pytest.approx(100.0) and two["tpot_ms"]["mean"] == pytest.approx(200.0)
+    assert two["e2el_ms"]["mean"] == pytest.approx(300.0)
+    # Single requests are all turn 1.
+    assert [t["turn"] for t in summarize(records[:2], duration=1.0)["turns"]] == [1]
+
+
 def test_target_only_has_no_tau():
     s = summarize([record(0.0, [(0.1, 1), (0.2, 1)], tokens=2)], duration=1.0)
     assert s["tau"] is None and s["tau_per_request"] is None
@@ -186,6 +236,37 @@ def test_random_prompts_are_token_ids_of_the_asked_lengths():
     assert texts[0].text == " ".join(map(str, texts[0].token_ids))
     with pytest.raises(ValueError, match="--input-len"):
         random_prompts(4, input_len=0, output_len=5, vocab_size=VOCAB)
+
+
+def test_conversations_are_built_from_the_sharegpt_file(tmp_path):
+    data = write_tiny_bench_data(tmp_path / "bench-data")
+    conversations = load_conversations("sharegpt-2turn", data)
+    # Its first two user turns; conversations without two (or opening with an answer, or too long) left out.
+    assert [(c.id, c.turns) for c in conversations] == [
+        ("c0", ("Name a prime.", "And a larger one?")), ("c1", ("Write a haiku.", "Now one about the sea."))]
+    assert [c.id for c in load_conversations("sharegpt-2turn", data, limit=3)] == ["c0", "c1", "c0"]
+    first = conversations[0].first()
+    assert (first.turn, first.messages()) == (1, [{"role": "user", "content": "Name a prime."}])
+    second = conversations[0].after(first, "7, a prime.")
+    assert second.turn == 2 and second.messages() == [
+        {"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "7, a prime."},
+        {"role": "user", "content": "And a larger one?"}]
+    assert conversations[0].after(second, "11") is None  # two turns, then done
+    with pytest.raises(ValueError, match="unknown conversation set 'alpaca'"):
+        load_conversations("alpaca", data)
+    with pytest.raises(ValueError, match="sharegpt_sample4k.jsonl.gz not found: --data-dir"):
+        load_conversations("sharegpt-2turn", tmp_path)
+
+
+@pytest.mark.skipif(not REAL_DATA_DIR.is_dir(), reason=f"no bench data at {REAL_DATA_DIR}")
+def test_the_shared_sharegpt_sample_gives_its_two_turn_conversations():
+    conversations = load_conversations("sharegpt-2turn", REAL_DATA_DIR)
+    assert len(conversations) == 1656
+    assert conversations[0].turns == (
+        "Sample definition, example and code of pairs trading in python using ADF test, z-score, trading signal, "
+        "execution and calculation of strategy MtM and strategy PnL",
+        "python code for MEAN-REVERSION STATISTICAL ARBITRAGE STRATEGY IN STOCKS")
+    assert all(len(c.turns) == 2 and 0 < len(turn) <= MAX_TURN_CHARS for c in conversations for turn in c.turns)
 
 
 # -- the embedded engine --------------------------------------------------------------------------
@@ -272,6 +353,92 @@ def test_the_cli_writes_json_markdown_and_a_plot(model_pair, tmp_path, capsys):
     assert table in capsys.readouterr().out
 
 
+def check_second_turns_carry_the_first_answers(records: list[RequestRecord], sent: list[Prompt]) -> None:
+    """`records` and the prompts `sent` for them, in sending order, one client: turn 1, then turn 2 of
+    each conversation in turn."""
+    assert [r.turn for r in records] == [1, 2] * len(CONVERSATIONS)
+    assert all(r.error is None and r.answer for r in records)
+    for (first, second), (asked, follow_up), conversation in zip(
+            zip(records[::2], records[1::2]), zip(sent[::2], sent[1::2]), CONVERSATIONS):
+        assert asked.messages() == [{"role": "user", "content": conversation.turns[0]}]
+        assert follow_up.messages() == [{"role": "user", "content": conversation.turns[0]},
+                                        {"role": "assistant", "content": first.answer},  # as it was streamed
+                                        {"role": "user", "content": conversation.turns[1]}]
+        assert second.start >= first.end  # sent once the answer had arrived
+
+
+def check_second_prompts_hold_the_first_turns(records: list[RequestRecord]) -> None:
+    """By the server's count: turn 2's prompt holds turn 1's and about its answer (re-tokenized)."""
+    for first, second in zip(records[::2], records[1::2]):
+        assert second.input_tokens > first.input_tokens + first.output_tokens // 2
+
+
+def test_embedded_conversations_send_the_first_answer_with_caching_on_and_off(model_pair, monkeypatch):
+    target, drafter = model_pair
+    answers, hits = {}, {}
+    for caching in (True, False):
+        engine = build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=4, kv_block_size=4,
+                                           enable_prefix_caching=caching))
+        backend = EmbeddedBackend(engine)
+        sent, prompt_ids = [], backend._prompt_ids
+        monkeypatch.setattr(backend, "_prompt_ids", lambda prompt, ids=prompt_ids: sent.append(prompt) or ids(prompt))
+        before = backend.prefix_cache_counters()
+        records = backend.run(CONVERSATIONS, BenchSampling(max_tokens=12, ignore_eos=True), Load(1))
+        check_second_turns_carry_the_first_answers(records, sent)
+        check_second_prompts_hold_the_first_turns(records)
+        answers[caching], hits[caching] = [r.answer for r in records], (backend.prefix_cache_counters() - before).hits
+        # What a second turn shares with its first: at least the first turn's prompt, in full blocks.
+        ids = [prompt_ids(prompt) for prompt in sent]
+        shared = []
+        for first_ids, second_ids in zip(ids[::2], ids[1::2]):
+            common = next((i for i, (a, b) in enumerate(zip(first_ids, second_ids)) if a != b), len(first_ids))
+            shared.append(common // 4 * 4)
+        assert not engine.sequences and engine.allocator.num_free == engine.allocator.num_blocks
+    assert answers[True] == answers[False]  # greedy: caching changes no output
+    assert hits[False] == 0 and hits[True] >= sum(shared) > 0
+
+
+def test_embedded_conversations_report_latencies_per_turn(model_pair):
+    target, drafter = model_pair
+    engine = build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=4))
+    engine.synthetic_tau = 3.0
+    loads = [Load(2), Load(concurrency=2, request_rate=50.0)]
+    runs = run_bench(EmbeddedBackend(engine), {"chat": CONVERSATIONS}, loads, SAMPLING, warmup=1, show_progress=False)
+    for run in runs:
+        check_known_acceptance(run, 2 * len(CONVERSATIONS))  # both turns of every conversation
+        assert [t["turn"] for t in run["turns"]] == [1, 2]
+        for turn in run["turns"]:
+            assert (turn["requests"], turn["completed"], turn["output_tokens"]) == (3, 3, 3 * SAMPLING.max_tokens)
+            for key in ("ttft_ms", "tpot_ms", "e2el_ms"):
+                assert all(isinstance(turn[key][stat], float) for stat in ("mean", "median", "p99")), key
+        assert run["turns"][1]["mean_input_tokens"] > run["turns"][0]["mean_input_tokens"]
+        assert run["prefix_cache_queries"] == sum(run["input_lens"]) and run["prefix_cache_hits"] > 0
+    table = markdown_report({"target": target, "max_tokens": 7, "temperature": 0.0, "warmup": 1}, runs)
+    assert "| dataset | load | turn | ok | mean prompt tokens | TTFT | TPOT | E2E | prefix-cache hits |" in table
+    assert "| chat | c=2 | 1 | 3 |" in table and "| chat | c=2 | 2 | 3 |" in table
+    assert not engine.sequences and engine.allocator.num_free == engine.allocator.num_blocks
+
+
+@pytest.mark.parametrize("caching", ["on", "off"])
+def test_the_cli_benchmarks_conversations_with_caching_on_and_off(model_pair, tmp_path, caching, capsys):
+    from services.cli import main
+
+    target, drafter = model_pair
+    out = tmp_path / "bench"
+    data = write_tiny_bench_data(tmp_path / "bench-data")
+    assert main(["bench", "--embedded", "--target", target, "--drafter", drafter, "--dataset", "sharegpt-2turn",
+                 "--data-dir", str(data), "--num-prompts", "2", "--concurrency", "2", "--warmup", "1",
+                 "--max-tokens", "6", "--ignore-eos", f"--{'' if caching == 'on' else 'no-'}enable-prefix-caching",
+                 "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["setup"]["prefix_caching"] is (caching == "on")
+    (run,) = results["runs"]
+    assert (run["dataset"], run["num_prompts"], run["completed"]) == ("sharegpt-2turn", 2, 4)
+    assert [(t["turn"], t["completed"]) for t in run["turns"]] == [(1, 2), (2, 2)]
+    assert (run["prefix_cache_hits"] > 0) is (caching == "on")
+    assert "| sharegpt-2turn | c=2 | 2 | 2 |" in capsys.readouterr().out
+
+
 # -- over gRPC ------------------------------------------------------------------------------------
 
 
@@ -283,8 +450,10 @@ class InProcessVerifierHandle:
         self.verifier = verifier
         self.generate = SimpleNamespace(options=lambda stream: SimpleNamespace(remote=self._generate))
         self.model_info = SimpleNamespace(remote=self._model_info)
+        self.prompts: list[list[int]] = []  # the token ids of every request, as the router sent them
 
     def _generate(self, prompt_ids, params, request_id):
+        self.prompts.append(list(prompt_ids))
         return _Stream(self.verifier.generate(prompt_ids, params, request_id))
 
     async def _model_info(self):
@@ -320,13 +489,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 @pytest.fixture(scope="module")
-def server(model_pair):
+def verifier(model_pair):
     target, drafter = model_pair
     verifier = Verifier({"engine": {"target": target, "drafter": drafter, "max_num_seqs": 4, "max_tokens_limit": 64},
                          "topology": "colocated"})
     verifier.engine.synthetic_tau = 3.0
-    router = Router(InProcessVerifierHandle(verifier), target, max_model_len=512, max_tokens_limit=64,
-                    default_max_tokens=16, max_pending=8)
+    yield InProcessVerifierHandle(verifier)
+    verifier.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(verifier, model_pair):
+    yield from _grpc_server(Router(verifier, model_pair[0], max_model_len=512, max_tokens_limit=64,
+                                   default_max_tokens=16, max_pending=8))
+
+
+@pytest.fixture(scope="module")
+def keyed_server(verifier, model_pair):
+    """The same, requiring an API key."""
+    yield from _grpc_server(Router(verifier, model_pair[0], max_model_len=512, max_tokens_limit=64,
+                                   default_max_tokens=16, max_pending=8, api_keys=ApiKeys([API_KEY])))
+
+
+def _grpc_server(router: Router):
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -344,7 +529,6 @@ def server(model_pair):
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
     loop.close()
-    verifier.shutdown()
 
 
 def test_grpc_runs_against_the_real_router_and_verifier(server, model_pair):
@@ -373,6 +557,50 @@ def test_grpc_open_loop_and_token_prompts(server):
     prompts = random_prompts(2, input_len=11, output_len=3, vocab_size=VOCAB, seed=0)
     s = summarize(GrpcBackend(server, timeout=30).run(prompts, BenchSampling(ignore_eos=True), Load(2)), 1.0)
     assert s["input_lens"] == [11, 11] and s["output_lens"] == [3, 3]
+
+
+def test_grpc_conversations_send_the_first_answer_in_the_second_turn(server, verifier, model_pair):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_pair[0])
+    backend, sent = GrpcBackend(server, timeout=30), []
+    records = backend.run(CONVERSATIONS, SAMPLING, Load(1))
+    for record, conversation in zip(records[::2], CONVERSATIONS):
+        first = conversation.first()
+        sent += [first, conversation.after(first, record.answer)]
+    check_second_turns_carry_the_first_answers(records, sent)
+    check_second_prompts_hold_the_first_turns(records)
+    # The router rendered each turn's messages, the first answer included, with the chat template.
+    rendered = [tokenizer.apply_chat_template(p.messages(), add_generation_prompt=True, tokenize=True,
+                                              return_dict=False) for p in sent]
+    assert verifier.prompts[-len(sent):] == [list(ids) for ids in rendered]
+    (run,) = run_bench(backend, {"chat": CONVERSATIONS}, [Load(2)], SAMPLING, warmup=0, show_progress=False)
+    check_known_acceptance(run, 2 * len(CONVERSATIONS))
+    assert [(t["turn"], t["completed"]) for t in run["turns"]] == [(1, 3), (2, 3)]
+    assert isinstance(run["turns"][1]["ttft_ms"]["p99"], float)
+    assert run["prefix_cache_hit_rate"] is None  # a gRPC server does not say
+
+
+def test_bench_sends_the_api_key_over_grpc(keyed_server, tmp_path, monkeypatch, capsys):
+    from services.cli import main
+
+    monkeypatch.delenv("DFLASH_API_KEY", raising=False)
+    args = ["bench", "--address", keyed_server, "--dataset", "random", "--input-len", "5", "--output-len", "3",
+            "--num-prompts", "2", "--concurrency", "2", "--warmup", "0", "--out", str(tmp_path / "bench")]
+    assert main([*args, "--api-key", API_KEY]) == 0  # the server refuses every call without the key
+    assert json.loads((tmp_path / "bench" / "results.json").read_text())["runs"][0]["completed"] == 2
+    monkeypatch.setenv("DFLASH_API_KEY", API_KEY)  # the default
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main([*args, "--api-key", "sk-wrong"]) == 2
+    assert (f"error: the server at {keyed_server} refused the API key given: pass the server's key with --api-key "
+            "KEY (or in $DFLASH_API_KEY)") in capsys.readouterr().err
+    monkeypatch.delenv("DFLASH_API_KEY")
+    assert main(args) == 2
+    assert "requires an API key and none was given" in capsys.readouterr().err
+    # Requests themselves with a wrong key: counted as UNAUTHENTICATED.
+    records = GrpcBackend(keyed_server, timeout=30, api_key="sk-wrong").run(PROMPTS[:2], SAMPLING, Load(2))
+    assert summarize(records, 1.0)["error_codes"] == {"UNAUTHENTICATED": 2}
 
 
 # -- over OpenAI HTTP -----------------------------------------------------------------------------
@@ -456,6 +684,37 @@ def test_the_cli_benchmarks_an_openai_server_with_random_prompts(openai, model_p
     assert "| random | 100/s ≤2 | 4 | 0 |" in capsys.readouterr().out
 
 
+def test_openai_conversations_send_the_first_answer_in_the_second_turn(openai):
+    backend = OpenAIBackend(openai.base_url, endpoint="/v1/chat/completions", model=openai_server.MODEL,
+                            api_key="sk-test", timeout=10)
+    records = backend.run(CONVERSATIONS, BenchSampling(max_tokens=5), Load(1))
+    sent = [Prompt("chat", "", body["messages"][-1]["content"],
+                   history=tuple((m["role"], m["content"]) for m in body["messages"][:-1])) for body in openai.requests]
+    check_second_turns_carry_the_first_answers(records, sent)
+    assert records[0].answer == "x" * 5  # what the server streamed
+    with pytest.raises(ValueError, match="use --endpoint /v1/chat/completions"):
+        OpenAIBackend(openai.base_url, model=openai_server.MODEL).payload(0, sent[1], SAMPLING)
+
+
+def test_bench_sends_the_api_key_over_http(openai, model_pair, tmp_path, monkeypatch, capsys):
+    from services.cli import main
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    args = ["bench", "--backend", "openai", "--base-url", openai.base_url, "--tokenizer", model_pair[0],
+            "--dataset", "random", "--input-len", "5", "--output-len", "3", "--num-prompts", "2", "--concurrency", "2",
+            "--warmup", "0", "--out", str(tmp_path / "bench")]
+    assert main([*args, "--api-key", "sk-test"]) == 0
+    assert json.loads((tmp_path / "bench" / "results.json").read_text())["runs"][0]["completed"] == 2
+    assert openai.authorizations == ["Bearer sk-test"] * 3  # /v1/models, then each completion
+    capsys.readouterr()
+    assert main([*args, "--api-key", "sk-wrong"]) == 2
+    assert (f"error: the server at {openai.base_url} refused the API key given: pass the server's key with "
+            "--api-key KEY (or in $OPENAI_API_KEY) (HTTP 401)") in capsys.readouterr().err
+    assert main(args) == 2
+    assert "requires an API key and none was given" in capsys.readouterr().err
+    assert openai.authorizations[3:] == ["Bearer sk-wrong", None] and len(openai.requests) == 2
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["--dataset", "humaneval"], "give --data-dir"),
     (["--backend", "openai", "--dataset", "random"], "give --tokenizer"),
@@ -463,6 +722,8 @@ def test_the_cli_benchmarks_an_openai_server_with_random_prompts(openai, model_p
     (["--max-concurrency", "2"], "give --request-rate too"),
     (["--request-rate", "fast"], "--request-rate takes comma-separated numbers"),
     (["--backend", "grpc", "--endpoint", "/v1/chat/completions"], "go with --backend openai"),
+    (["--backend", "openai", "--dataset", "sharegpt-2turn", "--data-dir", "."], "give --endpoint /v1/chat/completions"),
+    (["--backend", "grpc", "--no-enable-prefix-caching"], "the engine's flags go with --backend embedded"),
 ])
 def test_the_cli_says_what_to_fix(openai, args, says, monkeypatch, capsys):
     from services.cli import main
