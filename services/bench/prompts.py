@@ -129,20 +129,25 @@ LOADERS: dict[str, Callable[[Path], list[tuple[str, str]]]] = {
 def load_prompts(name: str, data_dir: str | Path = DEFAULT_DATA_DIR, limit: int | None = None) -> list[Prompt]:
     """The set's prompts in file order; with `limit`, the first `limit`, cycling through the set
     when it is smaller (as DFlash's server benchmark does)."""
-    if name not in LOADERS:
-        raise ValueError(f"unknown prompt set {name!r}; known: {', '.join(LOADERS)}")
-    data_dir = Path(data_dir)
+    return _load("prompt set", LOADERS, Prompt, name, Path(data_dir), limit)
+
+
+def _load(kind: str, loaders: dict, make, name: str, data_dir: Path, limit: int | None) -> list:
+    """The rows of set `name` made into `make(name, id, payload)`, in file order; with `limit`, the
+    first `limit`, cycling through the set when it is smaller."""
+    if name not in loaders:
+        raise ValueError(f"unknown {kind} {name!r}; known: {', '.join(loaders)}")
     try:
-        rows = LOADERS[name](data_dir)
+        rows = loaders[name](data_dir)
     except FileNotFoundError as err:
         raise ValueError(f"{err.filename} not found: --data-dir names the folder with the prompt set's files "
                          "(README, 'Benchmark prompt sets', lists them and where they come from)") from None
-    prompts = [Prompt(name, id_, text) for id_, text in rows]
-    if not prompts:
-        raise ValueError(f"prompt set {name!r} is empty in {data_dir}")
+    items = [make(name, id_, payload) for id_, payload in rows]
+    if not items:
+        raise ValueError(f"{kind} {name!r} is empty in {data_dir}")
     if limit is None:
-        return prompts
-    return [prompts[i % len(prompts)] for i in range(limit)]
+        return items
+    return [items[i % len(items)] for i in range(limit)]
 
 
 def _sharegpt_two_turns(data_dir: Path) -> list[tuple[str, tuple[str, ...]]]:
@@ -169,20 +174,7 @@ def load_conversations(name: str, data_dir: str | Path = DEFAULT_DATA_DIR,
                        limit: int | None = None) -> list[Conversation]:
     """The set's conversations in file order; with `limit`, the first `limit` (cycled when the set
     is smaller, as load_prompts)."""
-    if name not in CONVERSATION_LOADERS:
-        raise ValueError(f"unknown conversation set {name!r}; known: {', '.join(CONVERSATION_LOADERS)}")
-    data_dir = Path(data_dir)
-    try:
-        rows = CONVERSATION_LOADERS[name](data_dir)
-    except FileNotFoundError as err:
-        raise ValueError(f"{err.filename} not found: --data-dir names the folder with the prompt set's files "
-                         "(README, 'Benchmark prompt sets', lists them and where they come from)") from None
-    conversations = [Conversation(name, id_, turns) for id_, turns in rows]
-    if not conversations:
-        raise ValueError(f"conversation set {name!r} is empty in {data_dir}")
-    if limit is None:
-        return conversations
-    return [conversations[i % len(conversations)] for i in range(limit)]
+    return _load("conversation set", CONVERSATION_LOADERS, Conversation, name, Path(data_dir), limit)
 
 
 def random_prompts(num_prompts: int, input_len: int, output_len: int, vocab_size: int, seed: int = 0,

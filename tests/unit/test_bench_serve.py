@@ -289,7 +289,7 @@ def check_known_acceptance(run: dict, requests: int) -> None:
 
 def test_embedded_runs_at_each_concurrency(model_pair):
     target, drafter = model_pair
-    engine = build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=4))
+    engine = build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=4, speculation="fixed"))
     engine.synthetic_tau = 3.0
     runs = run_bench(EmbeddedBackend(engine), {"toy": PROMPTS}, [Load(1), Load(4)], SAMPLING, warmup=1,
                      show_progress=False)
@@ -301,7 +301,7 @@ def test_embedded_runs_at_each_concurrency(model_pair):
 
 def test_embedded_open_loop_sends_each_request_no_earlier_than_its_arrival(model_pair):
     target, drafter = model_pair
-    engine = build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=4))
+    engine = build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=4, speculation="fixed"))
     engine.synthetic_tau = 3.0
     load = Load(concurrency=2, request_rate=40.0, seed=7)
     start = time.perf_counter()
@@ -400,7 +400,7 @@ def test_embedded_conversations_send_the_first_answer_with_caching_on_and_off(mo
 
 def test_embedded_conversations_report_latencies_per_turn(model_pair):
     target, drafter = model_pair
-    engine = build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=4))
+    engine = build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=4, speculation="fixed"))
     engine.synthetic_tau = 3.0
     loads = [Load(2), Load(concurrency=2, request_rate=50.0)]
     runs = run_bench(EmbeddedBackend(engine), {"chat": CONVERSATIONS}, loads, SAMPLING, warmup=1, show_progress=False)
@@ -491,7 +491,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 @pytest.fixture(scope="module")
 def verifier(model_pair):
     target, drafter = model_pair
-    verifier = Verifier({"engine": {"target": target, "drafter": drafter, "max_num_seqs": 4, "max_tokens_limit": 64},
+    verifier = Verifier({"engine": {"target": target, "drafter": drafter, "max_num_seqs": 4, "max_tokens_limit": 64,
+                                    "speculation": "fixed"},
                          "topology": "colocated"})
     verifier.engine.synthetic_tau = 3.0
     yield InProcessVerifierHandle(verifier)
