@@ -50,6 +50,7 @@ from services.engine.scheduler import PrefillChunk, Scheduler
 from services.engine.speculation import RoundCosts, SpeculationPolicy, time_call
 from services.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
 from services.engine.target_runner import TargetRunner
+from services.engine.transfer import to_device
 
 log = logging.getLogger(__name__)
 # Where every sequence sits when round costs are measured: attention's share of a verify grows
@@ -393,13 +394,12 @@ class Engine:
             bonus, starts_t = bucket.bonus[:n], bucket.starts[:n]
         else:
             if previous is None:
-                bonus = torch.tensor(bonus_ids, dtype=torch.long, device=self.device)
-                starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)
+                bonus = to_device(bonus_ids, torch.long, self.device)
+                starts_t = to_device(starts, torch.long, self.device)
             else:
                 bonus, starts_t = bonus_ids, starts
             table_width = max(map(len, tables))
-            table_t = torch.tensor([t + [0] * (table_width - len(t)) for t in tables], dtype=torch.int32,
-                                   device=self.device)
+            table_t = to_device([t + [0] * (table_width - len(t)) for t in tables], torch.int32, self.device)
             page = self.allocator.block_size
             batch = AttentionBatch.for_round(table_t, starts_t, width, page)  # the verify's
             draft_batch = batch if width == block or not k else AttentionBatch.for_round(table_t, starts_t, block, page)
@@ -461,7 +461,7 @@ class Engine:
         if self.synthetic_tau is not None and k:  # an AR round accepts nothing, and owes nothing
             accepted = torch.full_like(accepted, self._synthetic_accept_length(width))
         if min(verified) < k:
-            accepted = accepted.minimum(torch.tensor(verified, dtype=torch.long, device=self.device))
+            accepted = accepted.minimum(to_device(verified, torch.long, self.device))
         clock.mark()
         results = torch.cat([accepted[:, None], target_tokens], dim=1)
         ready = None
@@ -520,7 +520,7 @@ class Engine:
                 self.scheduler.offer_committed_blocks(seq)
                 self.scheduler.trim(seq, lookahead)
         if rnd.remote_context is not None and keep_rows and self.proposer is rnd.proposer:
-            rows_t = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
+            rows_t = to_device(keep_rows, torch.long, self.device)
             try:
                 self.proposer.inject_context(*(t[rows_t] for t in rnd.remote_context))
             except ProposerLost as err:

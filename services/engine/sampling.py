@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from kernels import row_argmax
+from services.engine.transfer import to_device
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -107,13 +108,11 @@ class SamplingBatch:
                        any_top_k=False, any_top_p=False, max_top_k=0, needs_full_sort=False)
         top_ks = [params[i].top_k for i in sampling if params[i].top_k > 0]
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            seed=torch.tensor(list(seeds), dtype=torch.long, device=device),
-            sampled_requests=(
-                None if len(sampling) == len(params) else torch.tensor(sampling, dtype=torch.long, device=device)
-            ),
+            temperature=to_device([p.temperature for p in params], torch.float32, device),
+            top_p=to_device([p.top_p for p in params], torch.float32, device),
+            top_k=to_device([p.top_k for p in params], torch.long, device),
+            seed=to_device(list(seeds), torch.long, device),
+            sampled_requests=None if len(sampling) == len(params) else to_device(sampling, torch.long, device),
             all_greedy=not sampling,
             any_top_k=bool(top_ks),
             any_top_p=any(params[i].top_p < 1 for i in sampling),
