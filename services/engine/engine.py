@@ -102,7 +102,7 @@ class _Round:
     """A round queued on the device whose results the host has not read yet."""
 
     seqs: list[Sequence]
-    proposer: Proposer | None
+    proposer: Proposer | None  # the drafter it was launched with (None: none, or lost before its verify)
     k: int  # drafts verified per sequence (0: an AR step)
     verified: list[int]  # per sequence: min(k, its own limit), the drafts it may accept
     drafted_in_background: bool  # by a drafter in another process (its draft time is learnt from rounds)
@@ -253,8 +253,9 @@ class Engine:
         if previous is not None and self._room_for_chained_round(previous):
             # Same batch as the round still on the device: start the next one from its results
             # there, then read it — the GPU never waits for Python between rounds.
+            lookahead = self.block_size  # what the new round writes, even if it loses its drafter
             self._in_flight = self._guarded(self._launch_round, previous.seqs, previous.seqs, previous)
-            self._guarded(self._finish_round, previous, previous.seqs, self.block_size)
+            self._guarded(self._finish_round, previous, previous.seqs, lookahead)
         else:
             if previous is not None:
                 self._guarded(self._finish_round, previous, previous.seqs)
@@ -425,7 +426,10 @@ class Engine:
         if drafter is not None and drafter.context_after_accept:
             context = (features, inputs.positions.flatten(), slots)  # `_finish_round` sends the accepted ones
         elif drafter is not None:
-            drafter.inject_context(features, inputs.positions.flatten(), slots)
+            try:
+                drafter.inject_context(features, inputs.positions.flatten(), slots)
+            except ProposerLost as err:
+                self._lose_proposer(err)
 
         # accept: the target samples every slot (the token sampled at slot j is the one at
         # position s+j+1); drafts count while they equal those samples, up to each request's limit
@@ -449,7 +453,7 @@ class Engine:
             ready.record()
         self.timings.host += time.perf_counter() - t0
         return _Round(
-            seqs=seqs, proposer=self.proposer, k=k, verified=verified,
+            seqs=seqs, proposer=proposer, k=k, verified=verified,
             drafted_in_background=k > 0 and proposer.drafts_in_background,
             results=results, ready=ready, next_bonus=target_tokens.gather(1, accepted[:, None])[:, 0],
             next_starts=inputs.starts + accepted + 1, clock=clock, chainable=self.chain_rounds, context=context,
