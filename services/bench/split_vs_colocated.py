@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             row["drafter_step_ms_p50"] = 1e3 * statistics.median(proposer.draft_seconds)
             row["draft_requests"] = len(transport)
             print(json.dumps(row), flush=True)
-            proposer.close()
+            proposer.release()
             for buffer in shared:
                 buffer.close()
             target.close()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.draft_runner import DraftRunner
+from services.engine.draft_runner import DraftRunner, Proposer
 from services.engine.kv_cache import AttentionBatch
 from services.engine.speculation import time_call
 from services.engine.target_runner import TargetRunner
@@ -166,8 +166,13 @@ class RoundGraphs:
         if self.proposer is not None:
             return proposer is self.proposer
         if self.external_drafts:
-            return hasattr(proposer, "request_drafts")
+            return proposer is not None and proposer.drafts_in_background
         return proposer is None
+
+    def proposer_for(self, bucket: _Bucket, n: int, k: int) -> CapturedProposer:
+        """The captured drafter as the `Proposer` of a round of n sequences that verifies k drafts,
+        loaded into `bucket`."""
+        return CapturedProposer(self, bucket, n, k)
 
     def bucket_for(self, n: int) -> _Bucket:
         return self._captured[next(b for b in self.buckets if b >= n)]
@@ -251,6 +256,28 @@ class RoundGraphs:
             out["verify"][size] = {k: time_call(v.graph.replay, sync, reps=reps) for k, v in bucket.verified.items()}
             bucket.starts.zero_()
         return out
+
+
+class CapturedProposer(Proposer):
+    """A `RoundGraphs`' captured drafter for one round, whose inputs `load` put into `bucket`: a
+    request replays the draft graph over them (the arguments are the same values, already there),
+    and the drafts stay in the buffer the verify graph reads; the context rows it is given are the
+    verify graph's outputs, which the injection graph of that k reads in place."""
+
+    in_graphs = True
+
+    def __init__(self, graphs: RoundGraphs, bucket: _Bucket, n: int, k: int):
+        self.graphs, self.bucket, self.n, self.k = graphs, bucket, n, k
+        self.block_size = graphs.block
+
+    def request_drafts(self, request_ids, bonus, starts, tables, batch) -> None:
+        self.graphs.draft(self.bucket)
+
+    def receive_drafts(self) -> torch.Tensor:
+        return self.bucket.drafts[: self.n]
+
+    def inject_context(self, features, positions, slots) -> None:
+        self.graphs.inject(self.bucket, self.k)
 
 
 class InjectionGraphs:

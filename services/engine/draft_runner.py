@@ -9,8 +9,8 @@ RoPE + KV write and SiLU·mul) over the drafter's layers — tested equal to the
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
@@ -26,31 +26,69 @@ class ProposerLost(RuntimeError):
     """The drafter is gone (a remote drafter died or hung); the engine continues target-only."""
 
 
-class Proposer(Protocol):
-    """What the engine needs from a drafter: keep its context up to date and propose blocks.
+class Proposer(abc.ABC):
+    """What the engine needs from a drafter, of whichever kind: the in-process `DraftRunner`, the
+    client of a drafter in another process (`RemoteProposer`), the drafter captured in a round's
+    CUDA graphs (`RoundGraphs.proposer_for`) and the tests' fakes.
 
-    The in-process `DraftRunner` implements it; so do the remote drafter client and the test
-    oracles. Context rows are committed target features; they arrive in position order.
-    Raising `ProposerLost` from either method makes the engine drop the proposer and decode
-    target-only (still lossless) until `Engine.attach_proposer` gives it a new one.
+    A round asks for a block of drafts (`request_drafts`), then takes them (`receive_drafts`);
+    context rows — committed target features — reach the drafter by `inject_context`, in position
+    order. `ProposerLost` from any of these makes the engine drop the proposer (`release`) and
+    decode target-only, still lossless and from the interrupted round on, until
+    `Engine.attach_proposer` gives it a new one.
 
-    A drafter in another process implements `request_drafts` (bonus tokens and starts as host
-    lists, or as device tensors for a chained round; block tables) and `receive_drafts` (the
-    drafts, [n, block-1] on the device) instead of `propose`:
-    the engine sends the request first and prepares its verify while the drafter works, and
-    needs no per-round GPU metadata for it (the verify replays a CUDA graph that reads the
-    drafts from a static buffer).
+    How the kinds differ in what the round must do is declared by the attributes below, whose
+    defaults describe a drafter in this process.
     """
 
-    block_size: int
+    block_size: int  # B: a request drafts the B-1 tokens after each bonus token
 
-    def inject_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None: ...
+    drafts_in_background: bool = False
+    """True: it drafts in another process while this one works. The engine asks it first (bonus
+    tokens and starts as host lists, or as device tensors for a chained round; no attention batch),
+    then prepares its verify and commits the last round while it drafts; it copies the drafts out
+    of the buffer they arrive in (rewritten next round), and learns the draft time from rounds, not
+    by timing a call. False: it is asked once the round's inputs are on the device, with the
+    block's attention batch."""
 
-    def propose(self, request_ids: Sequence[str], bonus_ids: torch.Tensor, starts: torch.Tensor,
-                batch: AttentionBatch) -> torch.Tensor: ...
+    context_after_accept: bool = False
+    """True: context rows go once acceptance is known: the accepted ones when the host reads a
+    round, or every slot of a round chained before that, ahead of the next request (positions and
+    slots then as host lists). False: every verified slot's rows right after the verify, on the
+    device: the rows past the accepted ones are never read (the next draft writes its own block
+    over them before it attends)."""
+
+    in_graphs: bool = False
+    """True: it runs inside the round's CUDA graphs, so its drafts already lie where the verify
+    graph reads them; others' are copied there."""
+
+    @abc.abstractmethod
+    def request_drafts(self, request_ids: Sequence[str], bonus: list[int] | torch.Tensor,
+                       starts: list[int] | torch.Tensor, tables: list[list[int]], batch: AttentionBatch | None) -> None:
+        """Draft the B-1 tokens after each sequence's bonus token, which sits at position starts[i];
+        `tables`: the sequences' block tables; `batch`: the block's attention metadata on the
+        device (None where `drafts_in_background`)."""
+
+    @abc.abstractmethod
+    def receive_drafts(self) -> torch.Tensor:
+        """The drafts asked for last, [n, B-1] on the engine's device."""
+
+    @abc.abstractmethod
+    def inject_context(self, features: torch.Tensor, positions: torch.Tensor | list[int],
+                       slots: torch.Tensor | list[int]) -> None:
+        """Committed target features [T, F*H] at positions [T] into the drafter's KV slots [T]."""
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """These sequences ended: drop what is kept for them (by default nothing is). Never
+        raises: a lost drafter is noticed at its next request or injection."""
+
+    def release(self) -> None:
+        """The engine drops or replaces this proposer: free what it holds that the engine does not
+        own (by default nothing: a local drafter's KV pool and graphs are the engine's). Never
+        raises."""
 
 
-class DraftRunner:
+class DraftRunner(Proposer):
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel, pool: KVPool):
         self.drafter = drafter
         self.target = target
@@ -70,6 +108,7 @@ class DraftRunner:
                       for layer in drafter.layers]
         self.stack = FusedStack(layers, drafter.norm.weight.detach(), pool, cfg.num_attention_heads,
                                 cfg.num_key_value_heads, cfg.rms_norm_eps)
+        self._drafts: torch.Tensor | None = None  # requested, not received yet
 
     @staticmethod
     def kv_shape(cfg: DFlashDraftConfig) -> tuple[int, int, int]:
@@ -86,6 +125,13 @@ class DraftRunner:
         kv = kv.view(-1, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim)
         cos, sin = self.drafter.rotary.cos_sin(positions, self.drafter.dtype)
         inject_context_kv(kv, self.k_norm_weight, cos, sin, slots, self.pool.k, self.pool.v, eps=cfg.rms_norm_eps)
+
+    def request_drafts(self, request_ids, bonus, starts, tables, batch) -> None:
+        self._drafts = self.propose(request_ids, bonus, starts, batch)  # queued on the device
+
+    def receive_drafts(self) -> torch.Tensor:
+        drafts, self._drafts = self._drafts, None
+        return drafts
 
     @torch.inference_mode()
     def propose(self, request_ids, bonus_ids, starts, batch) -> torch.Tensor:

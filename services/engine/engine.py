@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from services.config import EngineConfig
-from services.engine.cuda_graphs import RoundGraphs
+from services.engine.cuda_graphs import RoundGraphs, _Bucket
 from services.engine.draft_runner import Proposer, ProposerLost
 from services.engine.kv_cache import AttentionBatch, BlockAllocator
 from services.engine.request import RequestOutput, Sequence, SequenceStatus
@@ -102,18 +102,30 @@ class _Round:
     """A round queued on the device whose results the host has not read yet."""
 
     seqs: list[Sequence]
-    proposer: Proposer | None
+    proposer: Proposer | None  # the drafter it was launched with (None: none, or lost before its verify)
     k: int  # drafts verified per sequence (0: an AR step)
     verified: list[int]  # per sequence: min(k, its own limit), the drafts it may accept
-    drafted_remotely: bool  # by a drafter in another process (its draft time is learnt from rounds)
+    drafted_in_background: bool  # by a drafter in another process (its draft time is learnt from rounds)
     results: torch.Tensor  # [n, 1+k+1] on the host: accepted drafts, then the target's token per slot
     ready: torch.cuda.Event | None  # recorded after the copy of `results` (None: nothing to wait for)
     next_bonus: torch.Tensor  # [n] on the device: where a round chained after this one starts
     next_starts: torch.Tensor
     clock: _PhaseClock
     chainable: bool  # the next round may start from this one's device results
-    remote_context: tuple | None  # a drafter in another process: (features, positions, slots) of every slot
+    context: tuple | None  # (features, positions, slots) of every slot, for a drafter that takes them after acceptance
     finished: bool = False  # read and committed
+
+
+@dataclass
+class _RoundInputs:
+    """A round's inputs on the device: in a CUDA graph bucket, or with eager forwards' metadata."""
+
+    bonus: torch.Tensor  # [n]
+    starts: torch.Tensor  # [n]
+    positions: torch.Tensor  # [n, k+1]: the verified tokens'
+    bucket: _Bucket | None = None
+    batch: AttentionBatch | None = None  # eager: the verify's
+    draft_batch: AttentionBatch | None = None  # eager: the whole block's, for the draft
 
 
 @dataclass
@@ -241,8 +253,9 @@ class Engine:
         if previous is not None and self._room_for_chained_round(previous):
             # Same batch as the round still on the device: start the next one from its results
             # there, then read it — the GPU never waits for Python between rounds.
+            lookahead = self.block_size  # what the new round writes, even if it loses its drafter
             self._in_flight = self._guarded(self._launch_round, previous.seqs, previous.seqs, previous)
-            self._guarded(self._finish_round, previous, previous.seqs, self.block_size)
+            self._guarded(self._finish_round, previous, previous.seqs, lookahead)
         else:
             if previous is not None:
                 self._guarded(self._finish_round, previous, previous.seqs)
@@ -365,93 +378,62 @@ class Engine:
     def _launch_round(self, seqs: list[Sequence], previous: _Round | None = None) -> _Round:
         """Queue one round for `seqs` on the device — draft, verify, sample, accept — and return
         it unread; `_finish_round` commits it. With `previous` (the last round, which the host has
-        not read yet) the bonus tokens and starts come from its results on the device."""
+        not read yet) the bonus tokens and starts come from its results on the device. A drafter
+        lost on the way is dropped, and the same round goes on target-only (k = 0)."""
         t0 = time.perf_counter()
-        n, block = len(seqs), self.block_size
-        k = self.speculation.choose([s.params.num_speculative_tokens for s in seqs]) if self.proposer else 0
-        width = k + 1  # tokens verified per sequence: the bonus token and k drafts
-        tables = [s.block_table for s in seqs]
+        n, proposer = len(seqs), self.proposer
+        k = self.speculation.choose([s.params.num_speculative_tokens for s in seqs]) if proposer is not None else 0
+        ids, tables = [s.request_id for s in seqs], [s.block_table for s in seqs]
         if previous is None:
             bonus_ids, starts = [s.bonus for s in seqs], [s.num_cached for s in seqs]
         else:
             bonus_ids, starts = previous.next_bonus, previous.next_starts
-        remote = self._drafts_remotely
-        if remote:  # first: the drafter works while this process prepares the verify
-            try:
-                if previous is not None:  # which of its slots are accepted is not known yet: all of them
-                    self._send_every_slot(previous)
-                if k:
-                    self.proposer.request_drafts([s.request_id for s in seqs], bonus_ids, starts, tables)
-            except ProposerLost as err:
-                self._lose_proposer(err)
-                return self._launch_round(seqs, previous)  # the same round, target-only
-        graphs = self.graphs
-        if graphs is not None and (n > graphs.max_batch or not graphs.fits(self.proposer, block)
-                                   or k not in graphs.k_buckets):
-            graphs = None
-        if graphs is not None:
-            bucket = graphs.load(bonus_ids, starts, tables)
-            bonus, starts_t = bucket.bonus[:n], bucket.starts[:n]
-        else:
-            if previous is None:
-                bonus = to_device(bonus_ids, torch.long, self.device)
-                starts_t = to_device(starts, torch.long, self.device)
-            else:
-                bonus, starts_t = bonus_ids, starts
-            table_width = max(map(len, tables))
-            table_t = to_device([t + [0] * (table_width - len(t)) for t in tables], torch.int32, self.device)
-            page = self.allocator.block_size
-            batch = AttentionBatch.for_round(table_t, starts_t, width, page)  # the verify's
-            draft_batch = batch if width == block or not k else AttentionBatch.for_round(table_t, starts_t, block, page)
-        positions = starts_t[:, None] + torch.arange(width, device=self.device)
-        if remote and previous is not None:  # the host commits the last round while the drafter drafts
-            self._finish_round(previous, block)
+        try:
+            if previous is not None and proposer is not None and proposer.context_after_accept:
+                self._send_every_slot(previous)  # which of its slots are accepted is not known yet: all of them
+            if k and proposer.drafts_in_background:  # first: it drafts while this process prepares the verify
+                proposer.request_drafts(ids, bonus_ids, starts, tables, None)
+        except ProposerLost as err:
+            self._lose_proposer(err)
+            proposer, k = None, 0
+        inputs = self._round_inputs(n, k, bonus_ids, starts, tables)
+        if previous is not None and proposer is not None and proposer.drafts_in_background:
+            self._finish_round(previous, self.block_size)  # the host commits the last round while the drafter drafts
         clock = _PhaseClock(self.device)
 
         # draft: the whole block; the first k are verified
-        if not k:
-            drafts = None
-        elif graphs is not None and graphs.proposer is not None:
-            graphs.draft(bucket)
-            drafts = bucket.drafts[:n, :k]
-        else:
+        drafter = proposer
+        if inputs.bucket is not None and self.graphs.proposer is not None:  # captured with the verify
+            drafter = self.graphs.proposer_for(inputs.bucket, n, k)
+        drafts = None
+        if k:
             try:
-                if not remote:
-                    drafts = self.proposer.propose([s.request_id for s in seqs], bonus, starts_t, draft_batch)[:, :k]
-                elif graphs is not None:
-                    drafts = graphs.load_drafts(bucket, self.proposer.receive_drafts())[:, :k]
-                else:  # cloned: the shared buffer is rewritten next round
-                    drafts = self.proposer.receive_drafts()[:, :k].clone()
+                drafts = self._draft(drafter, ids, tables, inputs, k)
             except ProposerLost as err:
                 self._lose_proposer(err)
-                return self._launch_round(seqs, previous)  # the same round, target-only
+                proposer, drafter, k = None, None, 0
+                inputs = self._round_inputs(n, k, bonus_ids, starts, tables)  # to verify the bonus tokens alone
+                clock = _PhaseClock(self.device)  # the phases of the round that runs
         clock.mark()
 
         # verify: [bonus, k drafts] per sequence
-        if graphs is not None:
-            out = graphs.verify(bucket, k)
-            logits, slots = out.logits[: n * width], out.slots[: n * width]
-            features = None if out.features is None else out.features[: n * width]
-        else:
-            block_ids = bonus[:, None] if drafts is None else torch.cat([bonus[:, None], drafts.to(bonus)], dim=1)
-            rows = torch.arange(n * width, device=self.device)
-            logits, features = self.runner.forward(block_ids.flatten(), positions.flatten(), batch, rows)
-            slots = batch.slot_mapping
+        logits, features, slots = self._verify(inputs, drafts, n, k)
         clock.mark()
 
-        # Every slot's feature row, accepted or not, without waiting to know which: the rows past
-        # the accepted ones lie at or after the next round's start, where its draft writes its own
-        # block before it attends (and an AR round reads none), so they are never read. A drafter
-        # in another process gets the accepted rows only, once they are known (`_finish_round`).
-        context = (features, positions.flatten(), slots) if remote else None
-        if graphs is not None and graphs.proposer is not None:
-            graphs.inject(bucket, k)
-        elif self.proposer is not None and not remote:
-            self.proposer.inject_context(features, positions.flatten(), slots)
+        # context: the feature rows of every slot, which the drafter's next draft attends over;
+        # `Proposer.context_after_accept` says whether they go now or once acceptance is known
+        context = None
+        if drafter is not None and drafter.context_after_accept:
+            context = (features, inputs.positions.flatten(), slots)  # `_finish_round` sends the accepted ones
+        elif drafter is not None:
+            try:
+                drafter.inject_context(features, inputs.positions.flatten(), slots)
+            except ProposerLost as err:
+                self._lose_proposer(err)
 
         # accept: the target samples every slot (the token sampled at slot j is the one at
         # position s+j+1); drafts count while they equal those samples, up to each request's limit
-        target_tokens = sample_tokens(logits.view(n, width, -1), self._sampling_batch(seqs), positions + 1)
+        target_tokens = sample_tokens(logits.view(n, k + 1, -1), self._sampling_batch(seqs), inputs.positions + 1)
         verified = [k if s.params.num_speculative_tokens is None else min(k, s.params.num_speculative_tokens)
                     for s in seqs]
         if drafts is None:
@@ -459,7 +441,7 @@ class Engine:
         else:
             accepted = accept_drafts(drafts, target_tokens)
         if self.synthetic_tau is not None and k:  # an AR round accepts nothing, and owes nothing
-            accepted = torch.full_like(accepted, self._synthetic_accept_length(width))
+            accepted = torch.full_like(accepted, self._synthetic_accept_length(k + 1))
         if min(verified) < k:
             accepted = accepted.minimum(to_device(verified, torch.long, self.device))
         clock.mark()
@@ -471,22 +453,70 @@ class Engine:
             ready.record()
         self.timings.host += time.perf_counter() - t0
         return _Round(
-            seqs=seqs, proposer=self.proposer, k=k, verified=verified, drafted_remotely=remote and k > 0,
+            seqs=seqs, proposer=proposer, k=k, verified=verified,
+            drafted_in_background=k > 0 and proposer.drafts_in_background,
             results=results, ready=ready, next_bonus=target_tokens.gather(1, accepted[:, None])[:, 0],
-            next_starts=starts_t + accepted + 1, clock=clock, chainable=self.chain_rounds, remote_context=context,
+            next_starts=inputs.starts + accepted + 1, clock=clock, chainable=self.chain_rounds, context=context,
         )
 
-    @property
-    def _drafts_remotely(self) -> bool:
-        """Whether the drafter lives in another process (`request_drafts`/`receive_drafts`)."""
-        return hasattr(self.proposer, "request_drafts")
+    def _round_inputs(self, n: int, k: int, bonus_ids: list[int] | torch.Tensor, starts: list[int] | torch.Tensor,
+                      tables: list[list[int]]) -> _RoundInputs:
+        """A round's inputs on the device: in a CUDA graph bucket where the graphs fit the round,
+        else with the attention metadata of eager forwards."""
+        block, width, graphs = self.block_size, k + 1, self.graphs
+        bucket = batch = draft_batch = None
+        if (graphs is not None and n <= graphs.max_batch and graphs.fits(self.proposer, block)
+                and k in graphs.k_buckets):
+            bucket = graphs.load(bonus_ids, starts, tables)
+            bonus, starts_t = bucket.bonus[:n], bucket.starts[:n]
+        else:
+            if isinstance(bonus_ids, torch.Tensor):  # a chained round's, on the device already
+                bonus, starts_t = bonus_ids, starts
+            else:
+                bonus = to_device(bonus_ids, torch.long, self.device)
+                starts_t = to_device(starts, torch.long, self.device)
+            table_width = max(map(len, tables))
+            table_t = to_device([t + [0] * (table_width - len(t)) for t in tables], torch.int32, self.device)
+            page = self.allocator.block_size
+            batch = AttentionBatch.for_round(table_t, starts_t, width, page)  # the verify's
+            draft_batch = batch if width == block or not k else AttentionBatch.for_round(table_t, starts_t, block, page)
+        positions = starts_t[:, None] + torch.arange(width, device=self.device)
+        return _RoundInputs(bonus, starts_t, positions, bucket, batch, draft_batch)
+
+    def _draft(self, drafter: Proposer, ids: list[str], tables: list[list[int]], inputs: _RoundInputs,
+               k: int) -> torch.Tensor:
+        """The first k drafts of the block [n, k], where the verify reads them."""
+        if not drafter.drafts_in_background:  # else asked before the verify was prepared
+            drafter.request_drafts(ids, inputs.bonus, inputs.starts, tables, inputs.draft_batch)
+        drafts = drafter.receive_drafts()
+        if inputs.bucket is not None and not drafter.in_graphs:
+            return self.graphs.load_drafts(inputs.bucket, drafts)[:, :k]
+        if drafter.drafts_in_background:  # cloned: the buffer they arrive in is rewritten next round
+            return drafts[:, :k].clone()
+        return drafts[:, :k]
+
+    def _verify(self, inputs: _RoundInputs, drafts: torch.Tensor | None, n: int,
+                k: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The target's forward over [bonus, k drafts] per sequence: logits, feature rows and KV
+        slots of its n*(k+1) tokens."""
+        rows = n * (k + 1)
+        if inputs.bucket is not None:
+            out = self.graphs.verify(inputs.bucket, k)
+            features = None if out.features is None else out.features[:rows]
+            return out.logits[:rows], features, out.slots[:rows]
+        bonus = inputs.bonus[:, None]
+        block_ids = bonus if drafts is None else torch.cat([bonus, drafts.to(bonus)], dim=1)
+        logits, features = self.runner.forward(block_ids.flatten(), inputs.positions.flatten(), inputs.batch,
+                                               torch.arange(rows, device=self.device))
+        return logits, features, inputs.batch.slot_mapping
 
     def _send_every_slot(self, rnd: _Round) -> None:
-        """Give a drafter in another process the feature rows of every slot of `rnd` before the
-        host has read which were accepted (see the module doc). Their positions and KV slots come
-        from the host's cached counts, which `rnd` has not advanced yet: no wait for the device."""
-        features = rnd.remote_context[0]
-        rnd.remote_context = None  # `_finish_round` must not send the accepted ones again
+        """Give a drafter that takes context after acceptance the feature rows of every slot of
+        `rnd` before the host has read which were accepted (see the module doc). Their positions
+        and KV slots come from the host's cached counts, which `rnd` has not advanced yet: no wait
+        for the device."""
+        features = rnd.context[0]
+        rnd.context = None  # `_finish_round` must not send the accepted ones again
         kv, width = self.allocator.block_size, rnd.k + 1
         positions = [p for seq in rnd.seqs for p in range(seq.num_cached, seq.num_cached + width)]
         tables = [seq.block_table for seq in rnd.seqs for _ in range(width)]
@@ -496,7 +526,7 @@ class Engine:
     def _finish_round(self, rnd: _Round, lookahead: int = 0) -> None:
         """Read a round's results and commit them. `lookahead`: KV positions past the new cached
         ones to keep, for a round already launched after this one."""
-        if rnd.finished:  # a chained round with a remote drafter reads its predecessor itself
+        if rnd.finished:  # a chained round with a drafter in the background reads its predecessor itself
             return
         rnd.finished = True
         if rnd.ready is not None:
@@ -519,17 +549,17 @@ class Engine:
             if seq.status is SequenceStatus.RUNNING:  # a finished one's blocks are already free
                 self.scheduler.offer_committed_blocks(seq)
                 self.scheduler.trim(seq, lookahead)
-        if rnd.remote_context is not None and keep_rows and self.proposer is rnd.proposer:
+        if rnd.context is not None and keep_rows and self.proposer is rnd.proposer:
             rows_t = to_device(keep_rows, torch.long, self.device)
             try:
-                self.proposer.inject_context(*(t[rows_t] for t in rnd.remote_context))
+                self.proposer.inject_context(*(t[rows_t] for t in rnd.context))
             except ProposerLost as err:
                 self._lose_proposer(err)
         draft_s, verify_s, accept_s = rnd.clock.seconds()
         if rnd.proposer is not None and rnd.proposer is self.proposer:
             self.speculation.observe_round(verified, accepted)
             costs = self.speculation.costs
-            if rnd.drafted_remotely and costs is not None and not costs.measured_draft:
+            if rnd.drafted_in_background and costs is not None and not costs.measured_draft:
                 costs.observe_draft(len(rnd.seqs), draft_s)
         self.round_log.append(RoundRecord(rnd.k, verified, accepted, draft_s, verify_s))
         tm = self.timings
@@ -541,6 +571,7 @@ class Engine:
 
     def _lose_proposer(self, err: Exception) -> None:
         log.warning("drafter lost (%s): continuing target-only until it is back", err)
+        self.proposer.release()
         self.proposer = None  # the graphs no longer fit (RoundGraphs.fits): the fallback runs eagerly
         self.block_size = self.scheduler.lookahead = 1
         self.proposer_losses += 1
@@ -553,6 +584,8 @@ class Engine:
         self.scheduler.preempt_all()
         # Cached blocks hold no context rows of this drafter: nothing of them may be reused.
         self.allocator.reset_prefix_cache()
+        if self.proposer is not None and self.proposer is not proposer:
+            self.proposer.release()
         self.proposer = proposer
         self.block_size = self.scheduler.lookahead = proposer.block_size
         if self.speculation.block_size != proposer.block_size:  # a drafter back after a loss keeps what was learnt
@@ -595,7 +628,7 @@ class Engine:
         table: list[int] = []
         self.allocator.grow(table, context + block)
         verify: dict[int, list[float]] = {k: [] for k in self.speculation.ks}
-        draft: list[float] | None = None if self._drafts_remotely else []
+        draft: list[float] | None = None if self.proposer.drafts_in_background else []
 
         def shapes(n: int, width: int):
             tables = torch.tensor([table] * n, dtype=torch.int32, device=device)
@@ -611,7 +644,11 @@ class Engine:
 
         def draft_call(n: int):
             ids, starts, _, batch = shapes(n, block)
-            return lambda: self.proposer.propose((), ids[:n], starts, batch)
+
+            def call():
+                self.proposer.request_drafts((), ids[:n], starts, [table] * n, batch)
+                return self.proposer.receive_drafts()
+            return call
 
         try:
             with torch.inference_mode():
@@ -652,9 +689,8 @@ class Engine:
         if reason is not FinishReason.ERROR:  # after a failed forward, keep only what was cached before
             self.scheduler.offer_committed_blocks(seq)
         self.scheduler.remove(seq)
-        release = getattr(self.proposer, "release", None)  # a remote drafter forgets the sequence
-        if release is not None:
-            release([seq.request_id])
+        if self.proposer is not None:
+            self.proposer.forget([seq.request_id])
         self._emit(seq, tokens or [], text)
 
     def _emit(self, seq: Sequence, tokens: list[int], text: str) -> None:

@@ -31,7 +31,8 @@ import torch
 
 from services.api.dflash.v1 import drafter_pb2
 from services.engine.cuda_graphs import RoundGraphs
-from services.engine.draft_runner import ProposerLost
+from services.engine.draft_runner import Proposer, ProposerLost
+from services.engine.kv_cache import AttentionBatch
 from services.models import TargetModel
 from services.transport import (
     BUSY_POLL_SECONDS,
@@ -46,7 +47,10 @@ from services.transport import (
 PROTOCOL = drafter_pb2.PROTOCOL_VERSION_2
 
 
-class RemoteProposer:
+class RemoteProposer(Proposer):
+    drafts_in_background = True
+    context_after_accept = True  # the rows' positions and slots travel as host values: sent once the host has them
+
     def __init__(self, channel, ring: FeatureRing, chained_inputs: torch.Tensor, writes_done: WritesDone,
                  drafts: torch.Tensor, drafts_done: OpenedWritesDone, block_size: int, capacity_rows: int, *,
                  timeout: float):
@@ -135,10 +139,11 @@ class RemoteProposer:
         self._pending = drafter_pb2.StepRequest(features=handle, positions=as_list(positions), slots=as_list(slots))
 
     def request_drafts(self, request_ids: list[str], bonus: list[int] | torch.Tensor, starts: list[int] | torch.Tensor,
-                       tables: list[list[int]]) -> None:
+                       tables: list[list[int]], batch: AttentionBatch | None) -> None:
         """Ask for a block of drafts for the tokens after each bonus token; `receive_drafts` waits
         for them. `bonus` and `starts` as device tensors (a chained round's) go through the shared
-        `chained_inputs`, copied there on the device without waiting for it."""
+        `chained_inputs`, copied there on the device without waiting for it. The drafter builds its
+        own attention metadata from `tables`."""
         step, self._pending = self._pending or drafter_pb2.StepRequest(), None
         step.request_ids.extend(request_ids)
         if isinstance(bonus, torch.Tensor):
@@ -171,13 +176,14 @@ class RemoteProposer:
         self._transport_seconds.clear()
         return out
 
-    def release(self, request_ids: list[str]) -> None:
+    def forget(self, request_ids: list[str]) -> None:
         try:
             self.channel.send(drafter_pb2.DrafterRequest(release=drafter_pb2.ReleaseSequences(request_ids=request_ids)))
         except (ChannelClosed, OSError):
             pass  # a lost drafter is noticed (and handled) at the next step
 
-    def close(self) -> None:
+    def release(self) -> None:
+        """Close the channel; the shared buffers are the caller's of `connect`."""
         self.channel.close()
 
     def _send_pending(self) -> None:

@@ -7,7 +7,7 @@ from collections import defaultdict
 import torch
 
 from services.config import EngineConfig
-from services.engine.draft_runner import DraftRunner
+from services.engine.draft_runner import DraftRunner, Proposer
 from services.engine.engine import Engine
 from services.engine.kv_cache import BlockAllocator, KVPool
 from services.engine.loader import target_runner
@@ -82,9 +82,10 @@ def assert_no_write_can_reach_a_shared_block(engine: Engine) -> None:
             assert alloc.refs(block) == 1 and not alloc.is_cached(block), (seq.request_id, block)
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Proposes the target's own greedy continuation with an error planted so that exactly
-    `pattern[round]` drafts are accepted (cycling through the pattern), per request."""
+    `pattern[round]` drafts are accepted (cycling through the pattern), per request (`propose`,
+    which tests override, drafts when asked)."""
 
     target_layer_ids = (1,)  # the engine captures features for it, as for a real drafter
 
@@ -98,10 +99,17 @@ class OracleProposer:
         self.planned: dict[str, list[int]] = defaultdict(list)
         self.injected_positions: list[int] = []
         self.fail_on: set[str] = set()
+        self._drafts = None
 
     def inject_context(self, features, positions, slots):
         assert features.shape[0] == positions.shape[0] == slots.shape[0]
         self.injected_positions.extend(positions.tolist())
+
+    def request_drafts(self, request_ids, bonus, starts, tables, batch):
+        self._drafts = self.propose(request_ids, bonus, starts, batch)
+
+    def receive_drafts(self):
+        return self._drafts
 
     def propose(self, request_ids, bonus_ids, starts, batch):
         drafts = torch.zeros(len(request_ids), self.block_size - 1, dtype=torch.long)

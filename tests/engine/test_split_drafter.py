@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from services.drafter.server import DrafterServer
+from services.engine.draft_runner import Proposer
 from services.engine.sampling import SamplingParams
 from services.verifier.remote_drafter import RemoteProposer
 from tests.conftest import drafter_config, random_drafter
@@ -42,12 +43,17 @@ def _remote_engine(target, drafter, shared, **engine_options):
     return engine, server, proposer
 
 
-class _Placeholder:
+class _Placeholder(Proposer):
     """Stands in until the remote proposer is attached (the harness sizes the engine from it)."""
 
     def __init__(self, drafter):
         self.block_size = drafter.config.block_size
         self.target_layer_ids = drafter.config.target_layer_ids
+
+    def request_drafts(self, *args):
+        raise AssertionError("replaced before the first round")
+
+    receive_drafts = inject_context = request_drafts
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
@@ -78,7 +84,7 @@ def test_remote_drafter_matches_local_drafter_and_plain_greedy(pair, sampling):
     # One frame per round: each round's feature rows ride on its draft request.
     assert server.stats()["steps"] == len(proposer.draft_seconds) > 0
     assert engine.allocator.num_free == engine.allocator.num_blocks
-    proposer.close()
+    proposer.release()
     for buffer in shared:
         buffer.close()
 
@@ -128,7 +134,7 @@ def test_a_tied_embedding_and_lm_head_are_shared_as_one_buffer(pair):
     assert head.lm_head_weight.data_ptr() == head.input_embeddings.weight.data_ptr()
     remote = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20))
     assert [s.output_ids for s in remote] == [s.output_ids for s in local]
-    proposer.close()
+    proposer.release()
     for buffer in shared:
         buffer.close()
 
@@ -162,7 +168,7 @@ def test_prefix_cache_hits_in_the_split_topology_bring_the_drafters_context_rows
     assert_draft_context_is_committed_rows(runner, hit, kv)
     engine.allocator.release(blocks)
     assert engine.allocator.num_free == engine.allocator.num_blocks
-    proposer.close()
+    proposer.release()
     for buffer in shared:
         buffer.close()
 
@@ -196,6 +202,6 @@ def test_remote_drafter_is_lossless_for_every_k(pair, rounds):
     if rounds == "adaptive" and max(ks) > 0:
         assert max(engine.speculation.costs.draft) > 0  # learnt from the rounds that drafted
     assert engine.allocator.num_free == engine.allocator.num_blocks
-    proposer.close()
+    proposer.release()
     for buffer in shared:
         buffer.close()

@@ -131,7 +131,7 @@ def test_split_drafter_over_cuda_ipc_matches_the_colocated_engine(graphs, tied, 
         assert b.output_ids == a.output_ids
         assert b.stats.accepted_per_position == a.stats.accepted_per_position
     assert engine.allocator.num_free == engine.allocator.num_blocks
-    proposer.close()
+    proposer.release()
     process.terminate()
     for buffer in shared:
         buffer.close()
