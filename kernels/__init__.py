@@ -15,7 +15,7 @@
 
 The Triton kernels run when the tensors are on CUDA (or under TRITON_INTERPRET=1); otherwise, or
 without triton installed, the references run — for attention `paged_attention_batched`, its
-reference's math over a whole batch at once. Nothing here imports `services`.
+reference's math over a whole batch at once. Nothing here imports `dflash_serve.services`.
 """
 
 from kernels.argmax import row_argmax, row_argmax_reference, row_argmax_triton

@@ -53,9 +53,9 @@ def lost_replicas_are_unavailable(servicer, server) -> None:
 
 def _log_through_serve() -> None:
     """Serve writes a replica's log (logs/serve/replica_*.log, and stderr) from its `ray.serve`
-    logger alone, and Python drops other loggers' INFO records: the `services` loggers (the
-    startup log: the models and their revisions, the KV cache, the target's forward) write through
-    the same handlers, so that the replica's log says what it serves."""
+    logger alone, and Python drops other loggers' INFO records: the `dflash_serve.services`
+    loggers (the startup log: the models and their revisions, the KV cache, the target's forward)
+    write through the same handlers, so that the replica's log says what it serves."""
     ours = logging.getLogger("services")
     ours.setLevel(logging.INFO)
     ours.handlers = list(logging.getLogger("ray.serve").handlers)

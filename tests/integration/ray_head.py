@@ -76,8 +76,8 @@ def ray_head(auth_token: str | None = None):
     port = free_port()
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": auth_token} if auth_token else {"RAY_AUTH_MODE": "disabled"}
     head_env = {**os.environ, **auth, "RAY_USAGE_STATS_ENABLED": "0",
-                # The replicas import this checkout's `services`, as the image's workers import theirs.
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                # The replicas import the installed `dflash_serve` (this checkout's, through the
+                # editable install or the README's shim on PYTHONPATH), as the image's workers do.
                 "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
     head = None
     process = subprocess.Popen([sys.executable, "-c", HEAD, str(port)], cwd=REPO, env=head_env,
