@@ -62,7 +62,7 @@ COPY protos/ protos/
 COPY services/ services/
 RUN pip install --no-cache-dir --no-deps . \
     && pip check \
-    && python -c "import services.api.dflash.v1.generation_pb2_grpc, grpc_health.v1.health_pb2_grpc"
+    && python -c "import dflash_serve.services.api.dflash.v1.generation_pb2_grpc, grpc_health.v1.health_pb2_grpc"
 
 USER 10001:10001
 WORKDIR /home/dflash

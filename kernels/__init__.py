@@ -18,15 +18,15 @@ without triton installed, the references run — for attention `paged_attention_
 reference's math over a whole batch at once. Nothing here imports `dflash_serve.services`.
 """
 
-from kernels.argmax import row_argmax, row_argmax_reference, row_argmax_triton
-from kernels.kv_injection import inject_context_kv, inject_context_kv_reference, inject_context_kv_triton
-from kernels.paged_attention import (
+from dflash_serve.kernels.argmax import row_argmax, row_argmax_reference, row_argmax_triton
+from dflash_serve.kernels.kv_injection import inject_context_kv, inject_context_kv_reference, inject_context_kv_triton
+from dflash_serve.kernels.paged_attention import (
     paged_attention,
     paged_attention_batched,
     paged_attention_reference,
     paged_attention_triton,
 )
-from kernels.rms_norm import (
+from dflash_serve.kernels.rms_norm import (
     add_rms_norm,
     add_rms_norm_reference,
     add_rms_norm_triton,
@@ -34,9 +34,9 @@ from kernels.rms_norm import (
     rms_norm_reference,
     rms_norm_triton,
 )
-from kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference, rope_kv_write_triton
-from kernels.skinny_linear import SkinnyLinear, skinny_linear_reference, skinny_linear_triton
-from kernels.silu_mul import (
+from dflash_serve.kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference, rope_kv_write_triton
+from dflash_serve.kernels.skinny_linear import SkinnyLinear, skinny_linear_reference, skinny_linear_triton
+from dflash_serve.kernels.silu_mul import (
     gelu_tanh_mul,
     gelu_tanh_mul_reference,
     gelu_tanh_mul_triton,

@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import torch
 
-from kernels import flash_backend
+from dflash_serve.kernels import flash_backend
 
 try:
     import triton

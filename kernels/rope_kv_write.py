@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from kernels.rms_norm import rms_norm_reference
+from dflash_serve.kernels.rms_norm import rms_norm_reference
 
 try:
     import triton
@@ -35,7 +35,7 @@ def rope_kv_write(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, *, n
     keys and the values go to flat slots `slot_mapping` [T] of one layer's k_cache / v_cache
     [num_blocks, block_size, KV, D]. cos, sin: [max_positions, D/2] in qkv's dtype (a rotate-half
     table's two halves are equal, so only one is kept). q/k norm weights [D], or None (Llama, Qwen2);
-    `scale_in_float32`: Gemma's norm (see kernels.rms_norm); `v_norm`: values RMS-normed without a
+    `scale_in_float32`: Gemma's norm (see dflash_serve.kernels.rms_norm); `v_norm`: values RMS-normed without a
     weight (Gemma-4)."""
     args = (qkv, positions, cos, sin, slot_mapping, k_cache, v_cache)
     kwargs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, q_norm_weight=q_norm_weight,

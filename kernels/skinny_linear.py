@@ -31,7 +31,7 @@ def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return F.linear(x, weight, bias)
 
 
-# Launch settings by weight shape, from `python -m services.bench.skinny_linear` on an H100: K in
+# Launch settings by weight shape, from `python -m dflash_serve.services.bench.skinny_linear` on an H100: K in
 # steps of 256 (128 for a layer narrower than 1024), tiles of 64 weight rows (32 up to 4096 rows, or
 # for a narrow layer); five K blocks in flight.
 NARROW_K = 1024

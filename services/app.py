@@ -2,7 +2,7 @@
 replicas (each with its drafter).
 
 `build_app(config)` is what `dflash serve` runs; the Helm chart's serveConfigV2 imports
-`services.app:app_from_config` with the config as the application's `args`. Ray Serve is the control plane — placement, replicas, health,
+`dflash_serve.services.app:app_from_config` with the config as the application's `args`. Ray Serve is the control plane — placement, replicas, health,
 restarts, request routing; the per-step traffic between a verifier and its drafter never goes
 through it (see services/verifier).
 """
@@ -13,13 +13,13 @@ import asyncio
 import contextlib
 import logging
 
-from services.config import ServeConfig
-from services.verifier.verifier import DRAFTER_CPUS
+from dflash_serve.services.config import ServeConfig
+from dflash_serve.services.verifier.verifier import DRAFTER_CPUS
 
 GRPC_SERVICER_FUNCTIONS = [
-    "services.api.dflash.v1.generation_pb2_grpc.add_GenerationServicer_to_server",
+    "dflash_serve.services.api.dflash.v1.generation_pb2_grpc.add_GenerationServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
-    "services.app.lost_replicas_are_unavailable",
+    "dflash_serve.services.app.lost_replicas_are_unavailable",
 ]
 ROUTER_CPUS = 0.25
 VERIFIER_CPUS = 0.5
@@ -56,7 +56,7 @@ def _log_through_serve() -> None:
     logger alone, and Python drops other loggers' INFO records: the `dflash_serve.services`
     loggers (the startup log: the models and their revisions, the KV cache, the target's forward)
     write through the same handlers, so that the replica's log says what it serves."""
-    ours = logging.getLogger("services")
+    ours = logging.getLogger("dflash_serve.services")
     ours.setLevel(logging.INFO)
     ours.handlers = list(logging.getLogger("ray.serve").handlers)
 
@@ -64,14 +64,14 @@ def _log_through_serve() -> None:
 def _replica_metrics(deployment: str, model: str):
     from ray import serve
 
-    from services.metrics import ReplicaMetrics
+    from dflash_serve.services.metrics import ReplicaMetrics
 
     return ReplicaMetrics(model=model, deployment=deployment, replica=serve.get_replica_context().replica_tag)
 
 
 class VerifierDeployment:
     def __init__(self, config: dict):
-        from services.verifier.verifier import Verifier
+        from dflash_serve.services.verifier.verifier import Verifier
 
         _log_through_serve()
         self.verifier = Verifier(config, metrics=_replica_metrics("verifier", config["engine"]["target"]))
@@ -106,10 +106,10 @@ class RouterDeployment:
     def __init__(self, verifier, config: dict):
         from transformers import AutoTokenizer
 
-        from services.models import load_target_config
-        from services.router.auth import ApiKeys
-        from services.router.openai_api import OpenAIServer
-        from services.router.router import Router
+        from dflash_serve.services.models import load_target_config
+        from dflash_serve.services.router.auth import ApiKeys
+        from dflash_serve.services.router.openai_api import OpenAIServer
+        from dflash_serve.services.router.router import Router
 
         _log_through_serve()
         self.config = ServeConfig.from_dict(config)
@@ -200,7 +200,7 @@ def build_app(config: ServeConfig):
 
 
 def app_from_config(args: dict):
-    """Entry point for serveConfigV2 `import_path: services.app:app_from_config`: the application's
+    """Entry point for serveConfigV2 `import_path: dflash_serve.services.app:app_from_config`: the application's
     `args` are the ServeConfig, under the DFLASH_* environment's overrides (the pods' env). Serve
     rebuilds the application, restarting every replica, when they change; the chart therefore puts
     ROUTER_SETTINGS in the Router's user_config instead. The replicas get the config as resolved

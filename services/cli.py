@@ -13,7 +13,7 @@ import typing
 import torch
 from pydantic import BaseModel
 
-from services.config import EngineConfig, ServeConfig, environment
+from dflash_serve.services.config import EngineConfig, ServeConfig, environment
 
 # Flags that predate the generated ones: both spellings stay.
 ALIASES = {"cuda_graphs": ("--eager", "no CUDA graphs: the same as --no-cuda-graphs"),
@@ -27,7 +27,7 @@ def _auto_device() -> str:
 
 def _drafter_flag(value: str) -> str | None:
     """`--drafter none`: target-only, the config's null."""
-    from services.models.default_pair import NO_DRAFTER
+    from dflash_serve.services.models.default_pair import NO_DRAFTER
 
     return None if value == NO_DRAFTER else value
 
@@ -71,7 +71,7 @@ def given_config_flags(args: argparse.Namespace, model: type[BaseModel]) -> dict
 def _model_pair(flags: dict) -> dict:
     """target and drafter as given by the flags or, under them, DFLASH_ENGINE__TARGET/DRAFTER,
     with the default pair filling in as resolve_pair does (neither given: the default pair)."""
-    from services.models.default_pair import NO_DRAFTER, resolve_pair
+    from dflash_serve.services.models.default_pair import NO_DRAFTER, resolve_pair
 
     given = {**environment().get("engine", {}), **flags}
     drafter = NO_DRAFTER if "drafter" in given and given["drafter"] is None else given.get("drafter")
@@ -80,7 +80,7 @@ def _model_pair(flags: dict) -> dict:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from services.models import CheckpointError, TargetLoadError, TargetModel, load_drafter
+    from dflash_serve.services.models import CheckpointError, TargetLoadError, TargetModel, load_drafter
 
     try:
         drafter = load_drafter(args.drafter, revision=args.revision)
@@ -114,10 +114,10 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services.engine.loader import build_engine
-    from services.engine.sampling import SamplingParams
-    from services.models import CheckpointError, TargetLoadError
-    from services.models.default_pair import DefaultPairError
+    from dflash_serve.services.engine.loader import build_engine
+    from dflash_serve.services.engine.sampling import SamplingParams
+    from dflash_serve.services.models import CheckpointError, TargetLoadError
+    from dflash_serve.services.models.default_pair import DefaultPairError
 
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
@@ -170,7 +170,7 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from services.models.default_pair import DefaultPairError
+    from dflash_serve.services.models.default_pair import DefaultPairError
 
     try:
         config = _serve_config(args)
@@ -181,7 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    from services.app import GRPC_SERVICER_FUNCTIONS, build_app
+    from dflash_serve.services.app import GRPC_SERVICER_FUNCTIONS, build_app
 
     num_gpus = 1 if config.engine.device.startswith("cuda") else 0
     ray.init(include_dashboard=False, num_gpus=num_gpus or None, _metrics_export_port=config.metrics_port)
@@ -218,7 +218,7 @@ def run_until_stopped() -> None:
 def _client(args: argparse.Namespace) -> int:
     import grpc
 
-    from services.client import stream_completion
+    from dflash_serve.services.client import stream_completion
 
     sampling = {k: v for k, v in (("temperature", args.temperature), ("max_tokens", args.max_tokens),
                                    ("top_p", args.top_p), ("top_k", args.top_k), ("seed", args.seed)) if v is not None}
@@ -243,7 +243,7 @@ def _client(args: argparse.Namespace) -> int:
 
 
 def _fetch_default(args: argparse.Namespace) -> int:
-    from services.models.default_pair import DefaultPairError, default_drafter, fetch_default_target, target_dir
+    from dflash_serve.services.models.default_pair import DefaultPairError, default_drafter, fetch_default_target, target_dir
 
     try:
         folder = fetch_default_target(target_dir())
@@ -259,7 +259,7 @@ def _fetch_default(args: argparse.Namespace) -> int:
 
 
 def _bench_loads(args: argparse.Namespace) -> list:
-    from services.bench.serve_bench import Load
+    from dflash_serve.services.bench.serve_bench import Load
 
     def numbers(text: str, kind, flag: str) -> list:
         try:
@@ -278,7 +278,7 @@ def _bench_loads(args: argparse.Namespace) -> list:
 
 
 def _bench_prompt_sets(args: argparse.Namespace, setup: dict, tokenizer) -> dict:
-    from services.bench.prompts import CONVERSATION_LOADERS, load_conversations, load_prompts, random_prompts
+    from dflash_serve.services.bench.prompts import CONVERSATION_LOADERS, load_conversations, load_prompts, random_prompts
 
     sets = {}
     for name in args.dataset.split(","):
@@ -307,8 +307,8 @@ def _bench(args: argparse.Namespace) -> int:
     import grpc
     import httpx
 
-    from services.bench.prompts import CONVERSATION_LOADERS
-    from services.bench.serve_bench import (
+    from dflash_serve.services.bench.prompts import CONVERSATION_LOADERS
+    from dflash_serve.services.bench.serve_bench import (
         BenchSampling,
         EmbeddedBackend,
         GrpcBackend,
@@ -316,8 +316,8 @@ def _bench(args: argparse.Namespace) -> int:
         run_bench,
         write_report,
     )
-    from services.models import CheckpointError, TargetLoadError
-    from services.models.default_pair import DefaultPairError
+    from dflash_serve.services.models import CheckpointError, TargetLoadError
+    from dflash_serve.services.models.default_pair import DefaultPairError
 
     tokenizer, base_url, api_key = None, args.base_url or "http://127.0.0.1:8000", None
     try:
@@ -343,7 +343,7 @@ def _bench(args: argparse.Namespace) -> int:
             raise ValueError(f"{conversations[0]!r} sends conversations, which need the server's chat template: "
                              "give --endpoint /v1/chat/completions")
         if args.backend == "embedded":
-            from services.engine.loader import build_engine
+            from dflash_serve.services.engine.loader import build_engine
 
             most = max(load.concurrency or args.num_prompts for load in loads)
             defaults = {"device": _auto_device(), "max_num_seqs": most, **_model_pair(engine_flags)}
@@ -399,8 +399,8 @@ def _bench(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from services.models import CheckpointError, TargetLoadError
-    from services.training import TrainConfig, train
+    from dflash_serve.services.models import CheckpointError, TargetLoadError
+    from dflash_serve.services.training import TrainConfig, train
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields and v is not None}

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import grpc
 
-from services.api.dflash.v1 import generation_pb2, generation_pb2_grpc
+from dflash_serve.services.api.dflash.v1 import generation_pb2, generation_pb2_grpc
 
 Metadata = Sequence[tuple[str, str]]
 

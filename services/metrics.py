@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.engine.stopping import FinishReason
+from dflash_serve.services.engine.stopping import FinishReason
 
 PREFIX = "ray_"
 TAG_KEYS = ("model_name", "deployment", "replica")

@@ -7,7 +7,7 @@ import gzip
 import json
 from pathlib import Path
 
-from services.bench.prompts import MAX_TURN_CHARS, SPEC_BENCH_CATEGORIES
+from dflash_serve.services.bench.prompts import MAX_TURN_CHARS, SPEC_BENCH_CATEGORIES
 
 REAL_DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "bench-data"
 

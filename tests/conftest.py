@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from services.models import DFlashDraftConfig, DFlashDraftModel
+from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel
 
 
 def drafter_config(**overrides) -> dict:

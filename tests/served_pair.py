@@ -22,7 +22,7 @@ def save_tiny_pair(root: Path, *, block_size: int) -> tuple[str, str]:
     """Writes root/target and root/drafter; returns their paths."""
     from transformers import PreTrainedTokenizerFast
 
-    from services.models import save_drafter
+    from dflash_serve.services.models import save_drafter
 
     target_dir, drafter_dir = root / "target", root / "drafter"
     tiny_target("llama", layers=4, vocab=VOCAB, seed=21).save_pretrained(target_dir)

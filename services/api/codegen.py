@@ -1,6 +1,6 @@
 """Regenerate the protobuf/gRPC stubs in this package from protos/dflash/v1/*.proto.
 
-    python -m services.api.codegen
+    python -m dflash_serve.services.api.codegen
 
 The stubs are committed (the Ray Serve proxy imports them outside any runtime env), and
 tests/unit/test_protos.py fails when they are stale. grpcio-tools is pinned to the grpcio floor
@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO / "protos"
 PACKAGE_DIR = Path(__file__).resolve().parent
-PACKAGE = "services.api"
+PACKAGE = "dflash_serve.services.api"
 
 
 def proto_files() -> list[Path]:

@@ -1,7 +1,7 @@
 """CPU benchmark of incremental detokenization: tokenizers' DecodeStream against the window
 decode it replaced, on 4k-token outputs of a real tokenizer.
 
-    python -m services.bench.detokenizer [--tokenizer DIR] [--tokens 4096] [--out detok.json]
+    python -m dflash_serve.services.bench.detokenizer [--tokenizer DIR] [--tokens 4096] [--out detok.json]
 
 Both run the engine's IncrementalDetokenizer on the same ids: with the tokenizer as the engine
 loads it (AutoTokenizer: DecodeStream on its Rust backend), and with that tokenizer seen only
@@ -21,7 +21,7 @@ import statistics
 import sysconfig
 import time
 
-from services.engine.stopping import IncrementalDetokenizer
+from dflash_serve.services.engine.stopping import IncrementalDetokenizer
 
 # Real output-like text: Python source, prose, and multi-byte characters that span several tokens.
 MULTILINGUAL = "naïve café, 中文字符, Ελληνικά, русский, עברית, हिन्दी, 日本語のテキスト, emoji 🙂🚀.\n"
@@ -71,7 +71,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     if args.tokenizer is None:
-        from services.models.default_pair import default_target
+        from dflash_serve.services.models.default_pair import default_target
 
         args.tokenizer = default_target()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)

@@ -1,7 +1,7 @@
 """GPU micro-benchmark of the fused decoder-layer ops: our Triton kernels against the same plain-torch
 references run eagerly and compiled by torch.compile (inductor), at Qwen3-8B shapes.
 
-    python -m services.bench.layer_kernels
+    python -m dflash_serve.services.bench.layer_kernels
 
 Each op is timed by CUDA graph replays (the way the engine runs them), median of `triton.testing.do_bench`
 over fresh random inputs, for 1, 16, 512 and 8192 tokens (decode, a batch-1 verify, a batch-32 verify,
@@ -16,7 +16,7 @@ import json
 import torch
 import triton
 
-from kernels import (
+from dflash_serve.kernels import (
     add_rms_norm_reference,
     add_rms_norm_triton,
     rope_kv_write_reference,

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.bench.prompts import Conversation, Prompt
+from dflash_serve.services.bench.prompts import Conversation, Prompt
 
 # What a run sends: single requests, or conversations of several turns (counted as one item; the
 # load's concurrency counts conversations in flight, as a chat client holds one open).
@@ -352,8 +352,8 @@ class EmbeddedBackend:
 
     def run(self, items: Sequence[Item], sampling: BenchSampling, load: Load,
             progress: Progress = lambda: None) -> list[RequestRecord]:
-        from services.engine.sampling import SamplingParams
-        from services.engine.stopping import FinishReason
+        from dflash_serve.services.engine.sampling import SamplingParams
+        from dflash_serve.services.engine.stopping import FinishReason
 
         engine, records = self.engine, []
         active: dict[str, tuple[RequestRecord, int, Prompt]] = {}  # request id -> (record, item index, prompt)
@@ -463,7 +463,7 @@ class GrpcBackend:
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     def describe(self) -> dict:
-        from services.client import model_info
+        from dflash_serve.services.client import model_info
 
         info = model_info(self.address, timeout=10, metadata=self.metadata)
         return {"backend": "grpc", "address": self.address, "target": info.target, "drafter": info.drafter,
@@ -477,8 +477,8 @@ class GrpcBackend:
     async def _run(self, items, sampling, load, progress) -> list[RequestRecord]:
         import grpc
 
-        from services.api.dflash.v1 import generation_pb2_grpc
-        from services.client import build_request
+        from dflash_serve.services.api.dflash.v1 import generation_pb2_grpc
+        from dflash_serve.services.client import build_request
 
         async with grpc.aio.insecure_channel(self.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)

@@ -1,8 +1,8 @@
-"""GPU micro-benchmark of the few-row GEMMs: cuBLAS (F.linear) against `kernels.SkinnyLinear` with the
+"""GPU micro-benchmark of the few-row GEMMs: cuBLAS (F.linear) against `dflash_serve.kernels.SkinnyLinear` with the
 settings its rule picks for the shape, and the best of a small search over settings (which the
 rule should match), at the linear layers of Qwen3-8B and SmolLM2-135M.
 
-    python -m services.bench.skinny_linear
+    python -m dflash_serve.services.bench.skinny_linear
 
 Each GEMM is timed in a CUDA graph of calls over enough distinct weights (~200 MB) that they stream
 from HBM as a forward's layers do, not from L2; µs per call, median of 15 replays. Also lists the
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from kernels.skinny_linear import LaunchSettings, SkinnyLinear
+from dflash_serve.kernels.skinny_linear import LaunchSettings, SkinnyLinear
 
 SHAPES = {  # (N, K) of each projection: merged QKV, O, merged gate-up, down, LM head
     "Qwen3-8B": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),

@@ -1,7 +1,7 @@
 """A bounded soak of a running server: `streams` clients for `minutes`, each sending its next request
 as soon as its last one ends, with random cancellations and bad inputs mixed in.
 
-    python -m services.bench.soak --address 127.0.0.1:9000 --target MODEL --streams 8 --minutes 30
+    python -m dflash_serve.services.bench.soak --address 127.0.0.1:9000 --target MODEL --streams 8 --minutes 30
 
 Every greedy output is checked token for token against the target alone (an embedded target-only
 engine in this process, on --device), so a speculative round that ever changed the output is a
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import grpc
 
-from services.api.dflash.v1 import generation_pb2, generation_pb2_grpc
+from dflash_serve.services.api.dflash.v1 import generation_pb2, generation_pb2_grpc
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -80,9 +80,9 @@ class TargetOnlyReference:
     request's output is that run's prefix (or all of it, where the run stopped earlier)."""
 
     def __init__(self, target: str, device: str, prompts: list[str], max_tokens: int):
-        from services.config import EngineConfig
-        from services.engine.loader import build_engine
-        from services.engine.sampling import SamplingParams
+        from dflash_serve.services.config import EngineConfig
+        from dflash_serve.services.engine.loader import build_engine
+        from dflash_serve.services.engine.sampling import SamplingParams
 
         engine = build_engine(EngineConfig(target=target, drafter=None, device=device))
         encoded = [engine.tokenizer.encode(p) for p in prompts]
@@ -220,7 +220,7 @@ def soak(address: str, target: str, *, device: str = "cpu", streams: int = 4, se
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.bench.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dflash_serve.services.bench.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--address", required=True, help="the server's gRPC host:port")
     parser.add_argument("--target", required=True, help="the served target (folder or hub id), for the reference")
     parser.add_argument("--device", default="cpu", help="where the reference target runs")

@@ -5,7 +5,7 @@ GPU (no weights to download). Random drafts are never accepted, so DFlash rows u
 benchmark-only SYNTHETIC acceptance switch (`Engine.synthetic_tau`): every round is forced to
 accept a fixed number of drafts. Every DFlash row says so; no default ever turns it on.
 
-    python -m services.bench.spec_engine --out BENCH.json
+    python -m dflash_serve.services.bench.spec_engine --out BENCH.json
 
 Reported per (mode, batch):
 - tok/s: output tokens per second of the decode phase (prefill excluded), no syncs inside steps;
@@ -28,10 +28,10 @@ import time
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from services.config import SPECULATION_MODES, EngineConfig
-from services.engine.loader import assemble_engine
-from services.engine.sampling import SamplingParams
-from services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel
+from dflash_serve.services.config import SPECULATION_MODES, EngineConfig
+from dflash_serve.services.engine.loader import assemble_engine
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6,

@@ -2,12 +2,12 @@
 
 The same random-weight Qwen3-8B-shaped target and Qwen3-8B-DFlash-b16-shaped drafter as
 `spec_engine`, at a SYNTHETIC acceptance length (random drafts are never accepted; see there).
-Split: the drafter is a Ray actor on the same GPU (as `services.verifier` spawns it), fed through
+Split: the drafter is a Ray actor on the same GPU (as `dflash_serve.services.verifier` spawns it), fed through
 the shared feature ring and the frame channel; the verify forward replays a CUDA graph that reads
 the drafts the drafter wrote into a shared buffer. Colocated: draft and verify are both graph
 replays in one process.
 
-    python -m services.bench.split_vs_colocated --out split.json
+    python -m dflash_serve.services.bench.split_vs_colocated --out split.json
 
 Per (mode, batch): decode tok/s and step ms. Split also reports, per draft request, the drafter's
 step (from the request to its drafts done on the device, less its wait for the verifier's device)
@@ -25,10 +25,10 @@ import tempfile
 
 import torch
 
-from services.bench.spec_engine import build_models, run_case
-from services.config import EngineConfig
-from services.engine.loader import assemble_engine
-from services.models import TargetModel, save_drafter
+from dflash_serve.services.bench.spec_engine import build_models, run_case
+from dflash_serve.services.config import EngineConfig
+from dflash_serve.services.engine.loader import assemble_engine
+from dflash_serve.services.models import TargetModel, save_drafter
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -40,7 +40,7 @@ def start_drafter_actor(drafter_dir: str):
     """The drafter actor exactly as a verifier replica spawns it: no GPU of its own, this GPU visible."""
     import ray
 
-    from services.drafter.actor import DrafterActor
+    from dflash_serve.services.drafter.actor import DrafterActor
 
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "0")
     actor = ray.remote(DrafterActor).options(
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import ray
 
-    from services.verifier.remote_drafter import RemoteProposer
+    from dflash_serve.services.verifier.remote_drafter import RemoteProposer
 
     batches = [int(b) for b in args.batches.split(",")]
     hf, drafter = build_models("cuda")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from services.drafter.server import DrafterServer
-from services.engine.loader import resolve_dtype
+from dflash_serve.services.drafter.server import DrafterServer
+from dflash_serve.services.engine.loader import resolve_dtype
 
 
 class DrafterActor:

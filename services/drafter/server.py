@@ -20,13 +20,13 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from kernels import SkinnyLinear
-from services.api.dflash.v1 import drafter_pb2
-from services.engine.cuda_graphs import InjectionGraphs, RoundGraphs
-from services.engine.draft_runner import DraftRunner
-from services.engine.kv_cache import AttentionBatch, KVPool
-from services.models import DFlashDraftModel, load_drafter
-from services.transport import (
+from dflash_serve.kernels import SkinnyLinear
+from dflash_serve.services.api.dflash.v1 import drafter_pb2
+from dflash_serve.services.engine.cuda_graphs import InjectionGraphs, RoundGraphs
+from dflash_serve.services.engine.draft_runner import DraftRunner
+from dflash_serve.services.engine.kv_cache import AttentionBatch, KVPool
+from dflash_serve.services.models import DFlashDraftModel, load_drafter
+from dflash_serve.services.transport import (
     BUSY_POLL_SECONDS,
     ChannelClosed,
     FrameListener,
@@ -240,7 +240,7 @@ class DrafterServer:
 
 
 def _serve_child(drafter_path: str, device: str, dtype: str, conn) -> None:
-    from services.engine.loader import resolve_dtype
+    from dflash_serve.services.engine.loader import resolve_dtype
 
     server = DrafterServer.load(drafter_path, device=device, dtype=resolve_dtype(dtype, torch.device(device)))
     conn.send(server.address)

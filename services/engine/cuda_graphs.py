@@ -10,7 +10,7 @@ The host fills three static buffers per round — bonus tokens, start positions 
 graphs. Batches smaller than their bucket are padded with rows that point at reserved scratch
 blocks, so their writes never touch a real sequence's KV.
 
-A round verifies k of the B−1 drafts (services.engine.speculation): the verify and the context
+A round verifies k of the B−1 drafts (dflash_serve.services.engine.speculation): the verify and the context
 injection are captured per k bucket of each batch bucket (k = 0 verifies the bonus token alone),
 the draft once per batch bucket (it always drafts the whole block).
 """
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.draft_runner import DraftRunner, Proposer
-from services.engine.kv_cache import AttentionBatch
-from services.engine.speculation import time_call
-from services.engine.target_runner import TargetRunner
+from dflash_serve.services.engine.draft_runner import DraftRunner, Proposer
+from dflash_serve.services.engine.kv_cache import AttentionBatch
+from dflash_serve.services.engine.speculation import time_call
+from dflash_serve.services.engine.target_runner import TargetRunner
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 

@@ -1,6 +1,6 @@
 """The drafter on the paged KV cache: fused context KV injection and the block forward.
 
-The model code is `services.models.draft`; this file runs it on a `KVPool` addressed by the same
+The model code is `dflash_serve.services.models.draft`; this file runs it on a `KVPool` addressed by the same
 block tables as the target's, in the fused layout: the injection is one stacked GEMM for all
 layers' k/v projections and one kernel for k_norm + RoPE + paged write, and the block forward
 is the target's fused decoder stack (`FusedStack`: merged QKV and gate-up GEMMs, fused norms,
@@ -14,12 +14,12 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import inject_context_kv, row_argmax
-from services.engine.fused_target import FusedLayer, FusedStack
-from services.engine.kv_cache import AttentionBatch, KVPool
-from services.models.draft import DFlashDraftModel
-from services.models.draft_config import DFlashDraftConfig
-from services.models.target import TargetModel
+from dflash_serve.kernels import inject_context_kv, row_argmax
+from dflash_serve.services.engine.fused_target import FusedLayer, FusedStack
+from dflash_serve.services.engine.kv_cache import AttentionBatch, KVPool
+from dflash_serve.services.models.draft import DFlashDraftModel
+from dflash_serve.services.models.draft_config import DFlashDraftConfig
+from dflash_serve.services.models.target import TargetModel
 
 
 class ProposerLost(RuntimeError):
@@ -101,7 +101,7 @@ class DraftRunner(Proposer):
         self.kv_bias = torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]) if cfg.attention_bias else None
         self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])
         # The block forward in the target's fused layout (the drafter's layers are Qwen3 layers
-        # whose attention may be non-causal): the model code in services.models.draft stays the
+        # whose attention may be non-causal): the model code in dflash_serve.services.models.draft stays the
         # reference, and its parameters become views of the merged weights.
         with torch.no_grad():
             layers = [FusedLayer.from_layer(layer, scaling=cfg.head_dim**-0.5, window=layer.window, causal=layer.causal)

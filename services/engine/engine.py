@@ -40,17 +40,17 @@ from dataclasses import dataclass
 
 import torch
 
-from services.config import EngineConfig
-from services.engine.cuda_graphs import RoundGraphs, _Bucket
-from services.engine.draft_runner import Proposer, ProposerLost
-from services.engine.kv_cache import AttentionBatch, BlockAllocator
-from services.engine.request import RequestOutput, Sequence, SequenceStatus
-from services.engine.sampling import SamplingBatch, SamplingParams, accept_drafts, resolve_seed, sample_tokens
-from services.engine.scheduler import PrefillChunk, Scheduler
-from services.engine.speculation import RoundCosts, SpeculationPolicy, time_call
-from services.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
-from services.engine.target_runner import TargetRunner
-from services.engine.transfer import to_device
+from dflash_serve.services.config import EngineConfig
+from dflash_serve.services.engine.cuda_graphs import RoundGraphs, _Bucket
+from dflash_serve.services.engine.draft_runner import Proposer, ProposerLost
+from dflash_serve.services.engine.kv_cache import AttentionBatch, BlockAllocator
+from dflash_serve.services.engine.request import RequestOutput, Sequence, SequenceStatus
+from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, accept_drafts, resolve_seed, sample_tokens
+from dflash_serve.services.engine.scheduler import PrefillChunk, Scheduler
+from dflash_serve.services.engine.speculation import RoundCosts, SpeculationPolicy, time_call
+from dflash_serve.services.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
+from dflash_serve.services.engine.target_runner import TargetRunner
+from dflash_serve.services.engine.transfer import to_device
 
 log = logging.getLogger(__name__)
 # Where every sequence sits when round costs are measured: attention's share of a verify grows

@@ -18,7 +18,7 @@ MLP is GELU-tanh·mul, and sliding-window and global layers each rotate with the
 The layer count of launches is the same nine.
 
 q/k/v and gate/up are each one GEMM over weights concatenated at load; a GEMM of at most 16 rows
-(decode, a batch-1 verify, the draft) is one launch of `kernels.SkinnyLinear`'s kernel, where
+(decode, a batch-1 verify, the draft) is one launch of `dflash_serve.kernels.SkinnyLinear`'s kernel, where
 cuBLAS would add a split-K reduce (and is slower at these shapes: BENCHMARKS.md); the HF modules' parameters
 are re-pointed at slices of those (contiguous row blocks), so no weight is held twice and the HF
 model stays usable for plain forwards and training. Feature k (the residual stream after layer k,
@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import SkinnyLinear, add_rms_norm, gelu_tanh_mul, paged_attention, rms_norm, rope_kv_write, silu_mul
-from services.engine.kv_cache import AttentionBatch, KVPool
-from services.models.target import TargetModel
+from dflash_serve.kernels import SkinnyLinear, add_rms_norm, gelu_tanh_mul, paged_attention, rms_norm, rope_kv_write, silu_mul
+from dflash_serve.services.engine.kv_cache import AttentionBatch, KVPool
+from dflash_serve.services.models.target import TargetModel
 
 LLAMA_FAMILIES = ("llama", "qwen2", "qwen3")
 GEMMA_FAMILIES = ("gemma3_text", "gemma4_text")

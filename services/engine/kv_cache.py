@@ -187,7 +187,7 @@ class KVPool:
 
 @dataclass
 class AttentionBatch:
-    """One forward's view of the paged cache (the layout kernels.paged_attention takes).
+    """One forward's view of the paged cache (the layout dflash_serve.kernels.paged_attention takes).
 
     Sequence i's new tokens are rows query_start[i]:query_start[i+1] of the packed batch, at the
     last q_len_i of its seq_lens[i] positions; slot_mapping says where their K/V go.

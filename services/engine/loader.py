@@ -7,15 +7,15 @@ import logging
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from services.config import EngineConfig
-from services.engine.cuda_graphs import DEFAULT_BUCKETS, RoundGraphs
-from services.engine.draft_runner import DraftRunner
-from services.engine.engine import Engine
-from services.engine.fused_target import FusedTargetRunner, fused_unsupported_reason
-from services.engine.kv_cache import BlockAllocator, KVPool
-from services.engine.speculation import k_buckets
-from services.engine.target_runner import TargetRunner
-from services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel, load_drafter
+from dflash_serve.services.config import EngineConfig
+from dflash_serve.services.engine.cuda_graphs import DEFAULT_BUCKETS, RoundGraphs
+from dflash_serve.services.engine.draft_runner import DraftRunner
+from dflash_serve.services.engine.engine import Engine
+from dflash_serve.services.engine.fused_target import FusedTargetRunner, fused_unsupported_reason
+from dflash_serve.services.engine.kv_cache import BlockAllocator, KVPool
+from dflash_serve.services.engine.speculation import k_buckets
+from dflash_serve.services.engine.target_runner import TargetRunner
+from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel, load_drafter
 
 log = logging.getLogger(__name__)
 

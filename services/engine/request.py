@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from services.engine.sampling import SamplingParams
-from services.engine.stopping import FinishReason, StopChecker
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.stopping import FinishReason, StopChecker
 
 
 class SequenceStatus(enum.Enum):

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels import row_argmax
-from services.engine.transfer import to_device
+from dflash_serve.kernels import row_argmax
+from dflash_serve.services.engine.transfer import to_device
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 

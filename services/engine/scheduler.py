@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.config import EngineConfig
-from services.engine.kv_cache import BlockAllocator, hash_block_tokens
-from services.engine.request import Sequence, SequenceStatus
+from dflash_serve.services.config import EngineConfig
+from dflash_serve.services.engine.kv_cache import BlockAllocator, hash_block_tokens
+from dflash_serve.services.engine.request import Sequence, SequenceStatus
 
 
 @dataclass

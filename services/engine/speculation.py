@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from services.config import EngineConfig
+from dflash_serve.services.config import EngineConfig
 
 BASE_K_BUCKETS = (0, 1, 3, 7)
 

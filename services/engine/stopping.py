@@ -17,7 +17,7 @@ from typing import Any
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling import SamplingParams
 
 
 class FinishReason(enum.StrEnum):

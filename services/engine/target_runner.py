@@ -2,7 +2,7 @@
 
 We register our attention as a transformers attention implementation ("dflash_paged"): every
 decoder layer of any HF causal LM then writes its new K/V into our pool and attends over it with
-`kernels.paged_attention`. Sequences are packed into one row (batch dimension 1, per-token
+`dflash_serve.kernels.paged_attention`. Sequences are packed into one row (batch dimension 1, per-token
 position ids), so prefill chunks and verify blocks of different lengths run in one forward.
 """
 
@@ -15,12 +15,12 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from kernels import paged_attention, rms_norm
-from services.engine.kv_cache import AttentionBatch, KVPool
-from services.models.target import TargetModel
+from dflash_serve.kernels import paged_attention, rms_norm
+from dflash_serve.services.engine.kv_cache import AttentionBatch, KVPool
+from dflash_serve.services.models.target import TargetModel
 
 ATTENTION_NAME = "dflash_paged"
-# transformers RMSNorm classes with exactly kernels.rms_norm's semantics (Gemma's (1 + w) differs).
+# transformers RMSNorm classes with exactly dflash_serve.kernels.rms_norm's semantics (Gemma's (1 + w) differs).
 FUSABLE_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
 

@@ -1,9 +1,9 @@
 """DFlash draft model, target adapter (feature capture) and checkpoint I/O."""
 
-from services.models.checkpoint import CheckpointError, load_drafter, save_drafter
-from services.models.draft import DFlashDraftModel, DraftAttentionContext, DraftContext
-from services.models.draft_config import DFlashDraftConfig, DraftConfigError, default_target_layer_ids
-from services.models.target import TargetLoadError, TargetModel, load_target_config
+from dflash_serve.services.models.checkpoint import CheckpointError, load_drafter, save_drafter
+from dflash_serve.services.models.draft import DFlashDraftModel, DraftAttentionContext, DraftContext
+from dflash_serve.services.models.draft_config import DFlashDraftConfig, DraftConfigError, default_target_layer_ids
+from dflash_serve.services.models.target import TargetLoadError, TargetModel, load_target_config
 
 __all__ = [
     "CheckpointError",

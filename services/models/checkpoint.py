@@ -15,9 +15,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from services.models.draft import DFlashDraftModel
-from services.models.draft_config import DFlashDraftConfig, DraftConfigError
-from services.models.revision import folder_revision_error
+from dflash_serve.services.models.draft import DFlashDraftModel
+from dflash_serve.services.models.draft_config import DFlashDraftConfig, DraftConfigError
+from dflash_serve.services.models.revision import folder_revision_error
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import rms_norm
-from services.models.draft_config import DFlashDraftConfig
-from services.models.rope import RotaryEmbedding, apply_rotary
+from dflash_serve.kernels import rms_norm
+from dflash_serve.services.models.draft_config import DFlashDraftConfig
+from dflash_serve.services.models.rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
-    from services.models.target import TargetModel
+    from dflash_serve.services.models.target import TargetModel
 
 
 class RMSNorm(nn.Module):

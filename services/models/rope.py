@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from services.models.draft_config import RopeConfig
+from dflash_serve.services.models.draft_config import RopeConfig
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

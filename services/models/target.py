@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
-from kernels import SkinnyLinear
-from services.models.revision import folder_revision_error
+from dflash_serve.kernels import SkinnyLinear
+from dflash_serve.services.models.revision import folder_revision_error
 
 
 class TargetLoadError(RuntimeError):

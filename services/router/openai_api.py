@@ -28,11 +28,11 @@ import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from services.api.dflash.v1 import generation_pb2
-from services.engine.request import RequestOutput
-from services.engine.stopping import FinishReason
-from services.router.auth import UNAUTHENTICATED_MESSAGE
-from services.router.router import RequestFailed, Router
+from dflash_serve.services.api.dflash.v1 import generation_pb2
+from dflash_serve.services.engine.request import RequestOutput
+from dflash_serve.services.engine.stopping import FinishReason
+from dflash_serve.services.router.auth import UNAUTHENTICATED_MESSAGE
+from dflash_serve.services.router.router import RequestFailed, Router
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),

@@ -1,8 +1,8 @@
 """The ingress: validation, tokenization, admission and streaming in front of the verifiers.
 
-`Router` is a plain class; `services.app` wraps it in a Ray Serve deployment whose gRPC methods
+`Router` is a plain class; `dflash_serve.services.app` wraps it in a Ray Serve deployment whose gRPC methods
 (`dflash.v1.Generation` and `grpc.health.v1.Health/Check`) call the methods of the same names, and
-whose HTTP entry point serves the OpenAI API (`services.router.openai_api`) on top of `outputs`,
+whose HTTP entry point serves the OpenAI API (`dflash_serve.services.router.openai_api`) on top of `outputs`,
 the one path every request takes whatever its protocol: authentication is checked by each
 protocol's front, then admission, validation, the verifier call and its cancellation are shared.
 The verifier is reached only through its handle: `generate` (a stream of `RequestOutput`s) and
@@ -31,12 +31,12 @@ from jinja2 import TemplateError
 from ray.exceptions import NodeDiedError, RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
 
-from services.api.dflash.v1 import generation_pb2
-from services.engine.request import RequestOutput
-from services.engine.sampling import SamplingParams
-from services.engine.stopping import FinishReason
-from services.router.auth import UNAUTHENTICATED_MESSAGE, ApiKeys, grpc_authorization
-from services.router.validation import (
+from dflash_serve.services.api.dflash.v1 import generation_pb2
+from dflash_serve.services.engine.request import RequestOutput
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.stopping import FinishReason
+from dflash_serve.services.router.auth import UNAUTHENTICATED_MESSAGE, ApiKeys, grpc_authorization
+from dflash_serve.services.router.validation import (
     InvalidRequest,
     chat_messages,
     check_prompt_bytes,

@@ -2,6 +2,6 @@
 anchored blocks of a sequence in one forward with the §4 mask, position-weighted cross-entropy,
 a z-lab checkpoint out."""
 
-from services.training.trainer import TrainConfig, train
+from dflash_serve.services.training.trainer import TrainConfig, train
 
 __all__ = ["TrainConfig", "train"]

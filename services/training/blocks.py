@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.models import DFlashDraftModel, TargetModel
-from services.models.draft import visible_keys
-from services.training.dataset import AnchorBatch
+from dflash_serve.services.models import DFlashDraftModel, TargetModel
+from dflash_serve.services.models.draft import visible_keys
+from dflash_serve.services.training.dataset import AnchorBatch
 
 # γ of the position weights per block size (spec §4: 7 for B=16; community ports 5 for B=10, 4 for B=8).
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}

@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from services.config import EngineConfig
-from services.engine.loader import assemble_engine
-from services.engine.sampling import SamplingParams
-from services.models import TargetModel
-from services.training.prompts import Prompt, encode_prompt
+from dflash_serve.services.config import EngineConfig
+from dflash_serve.services.engine.loader import assemble_engine
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.models import TargetModel
+from dflash_serve.services.training.prompts import Prompt, encode_prompt
 
 KV_BLOCK = 16
 MIN_RESPONSE_ROOM = 16  # prompts that leave less room than this for the answer are skipped

@@ -2,7 +2,7 @@
 
 A prompt-set spec is `NAME`, `NAME:COUNT` (the first COUNT prompts of the set) or `NAME[START:STOP]`
 (a slice, either end optional: `gsm8k[64:]` keeps the prompts a benchmark's first 64 use out of
-training). NAME is a benchmark set of `services.bench.prompts` (humaneval, gsm8k, math500, mbpp,
+training). NAME is a benchmark set of `dflash_serve.services.bench.prompts` (humaneval, gsm8k, math500, mbpp,
 alpaca, spec-bench, read from the bench-data folder), one of the training-only sets below
 (sharegpt, stdlib, sitepackages), or a path to a .jsonl / .jsonl.gz file with a "prompt" string
 per line. Every prompt has a stable key
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.bench import prompts as bench
+from dflash_serve.services.bench import prompts as bench
 
 STDLIB_SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "__pycache__"}
 PACKAGE_SKIP = {"test", "tests", "testing", "_vendor", "vendored", "__pycache__"}

@@ -30,12 +30,12 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from kernels import rms_norm_reference
-from services.bench.prompts import DEFAULT_DATA_DIR
-from services.config import EngineConfig
-from services.engine.loader import assemble_engine, eos_token_ids, resolve_dtype
-from services.engine.sampling import SamplingParams
-from services.models import (
+from dflash_serve.kernels import rms_norm_reference
+from dflash_serve.services.bench.prompts import DEFAULT_DATA_DIR
+from dflash_serve.services.config import EngineConfig
+from dflash_serve.services.engine.loader import assemble_engine, eos_token_ids, resolve_dtype
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.models import (
     DFlashDraftConfig,
     DFlashDraftModel,
     TargetModel,
@@ -44,10 +44,10 @@ from services.models import (
     load_target_config,
     save_drafter,
 )
-from services.models.checkpoint import check_state_dict, read_draft_config, read_state_dict, resolve_checkpoint
-from services.models.draft import RMSNorm
-from services.training.blocks import block_loss, default_gamma, draft_blocks
-from services.training.dataset import (
+from dflash_serve.services.models.checkpoint import check_state_dict, read_draft_config, read_state_dict, resolve_checkpoint
+from dflash_serve.services.models.draft import RMSNorm
+from dflash_serve.services.training.blocks import block_loss, default_gamma, draft_blocks
+from dflash_serve.services.training.dataset import (
     KV_BLOCK,
     TrainingSet,
     fingerprint,
@@ -55,7 +55,7 @@ from services.training.dataset import (
     regenerate,
     split_held_out,
 )
-from services.training.prompts import encode_prompt, load_prompts
+from dflash_serve.services.training.prompts import encode_prompt, load_prompts
 
 STATE_NAME = "training_state.pt"
 LOG_NAME = "train_log.jsonl"

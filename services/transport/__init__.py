@@ -6,7 +6,7 @@ frames (`shared_buffer`: POSIX shared memory on CPU, CUDA IPC on GPU). Ray place
 but carries none of this.
 """
 
-from services.transport.channel import (
+from dflash_serve.services.transport.channel import (
     BUSY_POLL_SECONDS,
     DEFAULT_MAX_FRAME_BYTES,
     ChannelClosed,
@@ -16,7 +16,7 @@ from services.transport.channel import (
     FrameTooLarge,
     connect,
 )
-from services.transport.shared_buffer import (
+from dflash_serve.services.transport.shared_buffer import (
     FeatureRing,
     OpenedTensor,
     OpenedWritesDone,

@@ -18,7 +18,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import torch
 
-from services.api.dflash.v1 import drafter_pb2
+from dflash_serve.services.api.dflash.v1 import drafter_pb2
 
 # Where Linux keeps POSIX shared memory. Both sides map segments from here themselves (rather than
 # through SharedMemory objects): the mapping then lives exactly as long as the tensors viewing it,

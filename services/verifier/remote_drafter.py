@@ -29,12 +29,12 @@ import time
 
 import torch
 
-from services.api.dflash.v1 import drafter_pb2
-from services.engine.cuda_graphs import RoundGraphs
-from services.engine.draft_runner import Proposer, ProposerLost
-from services.engine.kv_cache import AttentionBatch
-from services.models import TargetModel
-from services.transport import (
+from dflash_serve.services.api.dflash.v1 import drafter_pb2
+from dflash_serve.services.engine.cuda_graphs import RoundGraphs
+from dflash_serve.services.engine.draft_runner import Proposer, ProposerLost
+from dflash_serve.services.engine.kv_cache import AttentionBatch
+from dflash_serve.services.models import TargetModel
+from dflash_serve.services.transport import (
     BUSY_POLL_SECONDS,
     ChannelClosed,
     FeatureRing,

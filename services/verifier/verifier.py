@@ -19,13 +19,13 @@ import uuid
 
 import torch
 
-from services.config import ServeConfig
-from services.engine.loader import assemble_engine, build_engine, resolve_dtype
-from services.engine.request import RequestOutput, SpecStats
-from services.engine.sampling import SamplingParams
-from services.engine.stopping import FinishReason
-from services.models import TargetModel
-from services.models.checkpoint import read_draft_config, resolve_checkpoint
+from dflash_serve.services.config import ServeConfig
+from dflash_serve.services.engine.loader import assemble_engine, build_engine, resolve_dtype
+from dflash_serve.services.engine.request import RequestOutput, SpecStats
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.stopping import FinishReason
+from dflash_serve.services.models import TargetModel
+from dflash_serve.services.models.checkpoint import read_draft_config, resolve_checkpoint
 
 log = logging.getLogger(__name__)
 GAUGE_PERIOD_S = 1.0  # gauges are set again this often (Ray exports what was recorded lately)
@@ -38,7 +38,7 @@ def spawn_drafter_actor(config: ServeConfig) -> tuple:
     from ray.util import get_current_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from services.drafter.actor import DrafterActor
+    from dflash_serve.services.drafter.actor import DrafterActor
 
     pg = get_current_placement_group()
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1) if pg is not None else None
@@ -70,7 +70,7 @@ class Verifier:
         else:
             import ray
 
-            from services.engine.loader import load_tokenizer, log_models
+            from dflash_serve.services.engine.loader import load_tokenizer, log_models
 
             log_models(engine_cfg)
             draft_cfg = read_draft_config(resolve_checkpoint(engine_cfg.drafter, engine_cfg.drafter_revision))
@@ -104,7 +104,7 @@ class Verifier:
     # -- drafter ---------------------------------------------------------------------------------
 
     def _connect_drafter(self, address) -> None:
-        from services.verifier.remote_drafter import RemoteProposer
+        from dflash_serve.services.verifier.remote_drafter import RemoteProposer
 
         cfg = self.config.engine
         capacity = cfg.max_prefill_tokens + cfg.max_num_seqs * self.draft_block_size * 2

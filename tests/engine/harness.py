@@ -6,13 +6,13 @@ from collections import defaultdict
 
 import torch
 
-from services.config import EngineConfig
-from services.engine.draft_runner import DraftRunner, Proposer
-from services.engine.engine import Engine
-from services.engine.kv_cache import BlockAllocator, KVPool
-from services.engine.loader import target_runner
-from services.engine.target_runner import TargetRunner
-from services.models import DFlashDraftModel, TargetModel
+from dflash_serve.services.config import EngineConfig
+from dflash_serve.services.engine.draft_runner import DraftRunner, Proposer
+from dflash_serve.services.engine.engine import Engine
+from dflash_serve.services.engine.kv_cache import BlockAllocator, KVPool
+from dflash_serve.services.engine.loader import target_runner
+from dflash_serve.services.engine.target_runner import TargetRunner
+from dflash_serve.services.models import DFlashDraftModel, TargetModel
 
 # The target forward every engine test runs on; tests/engine/conftest.py runs the suite once per value.
 TARGET_IMPL = "auto"

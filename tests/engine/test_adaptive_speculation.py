@@ -15,8 +15,8 @@ import itertools
 import pytest
 import torch
 
-from services.engine.sampling import SamplingParams
-from services.engine.speculation import RoundCosts
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.speculation import RoundCosts
 from tests.conftest import drafter_config, random_drafter
 from tests.engine.harness import (
     OracleProposer,

@@ -13,8 +13,8 @@ import collections
 import pytest
 import torch
 
-from services.engine.sampling import SamplingParams
-from services.engine.stopping import FinishReason
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.stopping import FinishReason
 from tests.conftest import drafter_config, random_drafter
 from tests.engine import harness
 from tests.engine.harness import OracleProposer, assert_draft_context_is_committed_rows, build_engine, hf_greedy

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.kv_cache import BlockAllocator, hash_block_tokens
-from services.engine.sampling import SamplingParams
-from services.engine.stopping import FinishReason
+from dflash_serve.services.engine.kv_cache import BlockAllocator, hash_block_tokens
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.stopping import FinishReason
 from tests.conftest import drafter_config, random_drafter
 from tests.engine.harness import (
     OracleProposer,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.draft_runner import Proposer, ProposerLost
-from services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.draft_runner import Proposer, ProposerLost
+from dflash_serve.services.engine.sampling import SamplingParams
 from tests.engine import harness
 from tests.engine.harness import build_engine, hf_greedy
 from tests.targets import tiny_target

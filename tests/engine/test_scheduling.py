@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.kv_cache import AttentionBatch, BlockAllocator, OutOfKVBlocks
-from services.engine.sampling import SamplingParams
-from services.engine.stopping import FinishReason
+from dflash_serve.services.engine.kv_cache import AttentionBatch, BlockAllocator, OutOfKVBlocks
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.stopping import FinishReason
 from tests.engine.harness import OracleProposer, build_engine, hf_greedy
 from tests.targets import tiny_target
 
@@ -151,7 +151,7 @@ def test_stream_yields_until_finished_and_an_abandoned_stream_frees_its_blocks(t
 
 
 def test_a_lost_drafter_falls_back_to_target_only_and_a_new_one_takes_over_losslessly(target):
-    from services.engine.draft_runner import ProposerLost
+    from dflash_serve.services.engine.draft_runner import ProposerLost
 
     prompts = [[2, 3, 4, 5], [7, 8], [11] * 9]
     refs, oracle = _oracle(target, prompts, 40)

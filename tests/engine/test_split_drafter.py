@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.drafter.server import DrafterServer
-from services.engine.draft_runner import Proposer
-from services.engine.sampling import SamplingParams
-from services.verifier.remote_drafter import RemoteProposer
+from dflash_serve.services.drafter.server import DrafterServer
+from dflash_serve.services.engine.draft_runner import Proposer
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.verifier.remote_drafter import RemoteProposer
 from tests.conftest import drafter_config, random_drafter
 from tests.engine import harness
 from tests.engine.harness import assert_draft_context_is_committed_rows, build_engine, hf_greedy
@@ -109,8 +109,8 @@ def test_a_dropped_channel_falls_back_to_target_only_without_failing_requests(pa
 
 
 def test_a_verifier_speaking_another_protocol_version_is_refused_with_the_reason(pair):
-    from services.api.dflash.v1 import drafter_pb2
-    from services.transport import connect
+    from dflash_serve.services.api.dflash.v1 import drafter_pb2
+    from dflash_serve.services.transport import connect
 
     _, drafter = pair
     server = DrafterServer(drafter)

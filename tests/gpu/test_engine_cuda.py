@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.config import EngineConfig
-from services.engine.cuda_graphs import InjectionGraphs
-from services.engine.draft_runner import DraftRunner
-from services.engine.kv_cache import KVPool
-from services.engine.loader import assemble_engine
-from services.engine.sampling import SamplingParams
-from services.models import TargetModel
+from dflash_serve.services.config import EngineConfig
+from dflash_serve.services.engine.cuda_graphs import InjectionGraphs
+from dflash_serve.services.engine.draft_runner import DraftRunner
+from dflash_serve.services.engine.kv_cache import KVPool
+from dflash_serve.services.engine.loader import assemble_engine
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.models import TargetModel
 from tests.conftest import drafter_config, random_drafter
 from tests.engine.harness import hf_greedy
 from tests.targets import tiny_target
@@ -95,9 +95,9 @@ def test_split_drafter_over_cuda_ipc_matches_the_colocated_engine(graphs, tied, 
     (one buffer when tied) by CUDA IPC, and writes its drafts into the verifier's buffer; with
     graphs the verify replays a graph that copies them in on the device (the first k of them; k 0:
     no draft request, the rows still reach the drafter)."""
-    from services.drafter.server import spawn_drafter_process
-    from services.models import save_drafter
-    from services.verifier.remote_drafter import RemoteProposer
+    from dflash_serve.services.drafter.server import spawn_drafter_process
+    from dflash_serve.services.models import save_drafter
+    from dflash_serve.services.verifier.remote_drafter import RemoteProposer
 
     model = tiny_target("qwen3", layers=4, vocab=V, seed=7).float().cuda()
     if tied:
@@ -164,9 +164,9 @@ def test_injection_graphs_write_what_the_eager_injection_writes(rows):
 
 def _fused_equals_transformers_in_bf16(model, name: str) -> None:
     """Both runners over a prefill of mixed lengths (300 and 37 tokens), then a verify block each."""
-    from services.engine.fused_target import FusedTargetRunner
-    from services.engine.kv_cache import AttentionBatch
-    from services.engine.target_runner import TargetRunner
+    from dflash_serve.services.engine.fused_target import FusedTargetRunner
+    from dflash_serve.services.engine.kv_cache import AttentionBatch
+    from dflash_serve.services.engine.target_runner import TargetRunner
 
     target = TargetModel(model, (0, 2))
     layers, heads, dim = TargetRunner.kv_shape(target)

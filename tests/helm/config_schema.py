@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.config import ServeConfig
+from dflash_serve.services.config import ServeConfig
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "helm" / "dflash-serve" / "values.schema.json"
 # Set by the chart from its `ports` values, so that the pods' config names the ports they listen on.

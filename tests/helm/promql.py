@@ -8,7 +8,7 @@ import re
 
 import promql_parser
 
-from services.metrics import SPECS, TAG_KEYS, exported_names
+from dflash_serve.services.metrics import SPECS, TAG_KEYS, exported_names
 
 # Grafana's built-in interval variables, replaced by a duration so the expression parses.
 INTERVALS = re.compile(r"\$__(rate_interval|interval|range)\b")

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from services.metrics import exported_names
+from dflash_serve.services.metrics import exported_names
 from tests.helm.chart import CHART
 from tests.helm.promql import check_labels, check_names, check_rates, metric_names
 

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from services.metrics import vllm_series
+from dflash_serve.services.metrics import vllm_series
 from tests.helm.chart import NAMESPACE, render, scenario_values
 from tests.helm.promql import check_labels, check_names, check_rates, metric_names
 

@@ -12,9 +12,9 @@ import helm_python
 import pytest
 from google.protobuf import json_format
 
-from services.api.dflash.v1 import generation_pb2
-from services.app import GRPC_SERVICER_FUNCTIONS
-from services.config import ROUTER_SETTINGS, ServeConfig
+from dflash_serve.services.api.dflash.v1 import generation_pb2
+from dflash_serve.services.app import GRPC_SERVICER_FUNCTIONS
+from dflash_serve.services.config import ROUTER_SETTINGS, ServeConfig
 from tests.helm.chart import (
     CHART,
     NAMESPACE,
@@ -69,7 +69,7 @@ def test_serve_config_runs_the_app_and_the_grpc_services_of_services_app(rendere
     assert serve["grpc_options"]["grpc_servicer_functions"] == GRPC_SERVICER_FUNCTIONS
     assert serve["grpc_options"]["port"] == ports["grpc"]
     assert serve["http_options"]["port"] == ports["http"]
-    assert rendered.app["import_path"] == "services.app:app_from_config"
+    assert rendered.app["import_path"] == "dflash_serve.services.app:app_from_config"
 
 
 def test_the_config_is_the_users_block_plus_the_ports(rendered, values):
@@ -143,7 +143,7 @@ def test_a_revision_for_a_model_folder_is_refused_at_install(model):
 
 
 def test_the_router_overrides_are_what_build_app_derives_from_the_same_config():
-    from services.app import build_app
+    from dflash_serve.services.app import build_app
 
     rendered = render({"dflash": {"max_pending": 64, "default_max_tokens": 100, "router_replicas": 2,
                                   "router_max_replicas": 5}})

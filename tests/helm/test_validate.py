@@ -12,8 +12,8 @@ import kubernetes_validate
 import pytest
 from ray.serve.schema import ServeDeploySchema
 
-from services.app import app_from_config, build_app
-from services.config import EngineConfig, ServeConfig
+from dflash_serve.services.app import app_from_config, build_app
+from dflash_serve.services.config import EngineConfig, ServeConfig
 from tests.helm.chart import chart_values, render
 from tests.helm.kube_schemas import KUBERAY_CRDS, crd_errors
 

@@ -8,7 +8,7 @@ import json
 import helm_python
 import pytest
 
-from services.config import ServeConfig
+from dflash_serve.services.config import ServeConfig
 from tests.helm.chart import render
 from tests.helm.config_schema import SCHEMA_PATH, dflash_schema
 

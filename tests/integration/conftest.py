@@ -42,7 +42,7 @@ def ray_serve():
     from ray import serve
     from ray.serve.config import gRPCOptions, HTTPOptions
 
-    from services.app import GRPC_SERVICER_FUNCTIONS
+    from dflash_serve.services.app import GRPC_SERVICER_FUNCTIONS
 
     ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port()}
     ray.init(num_cpus=2, num_gpus=1 if DEVICE.startswith("cuda") else 0, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False,
@@ -61,9 +61,9 @@ def deployed_app(ports: dict, model_pair: tuple[str, str], **serve_config) -> It
     Yields the config, a gRPC channel and stub, the Verifier's handle and the ports; deletes it afterwards."""
     from ray import serve
 
-    from services.api.dflash.v1 import generation_pb2_grpc
-    from services.app import build_app
-    from services.config import EngineConfig, ServeConfig
+    from dflash_serve.services.api.dflash.v1 import generation_pb2_grpc
+    from dflash_serve.services.app import build_app
+    from dflash_serve.services.config import EngineConfig, ServeConfig
 
     target, drafter = model_pair
     # fixed: every round drafts, so the speculative stats and counters the tests read always have rounds

@@ -14,10 +14,10 @@ import grpc
 import httpx
 import pytest
 
-from services.api.dflash.v1 import generation_pb2, generation_pb2_grpc
-from services.config import EngineConfig
-from services.engine.loader import build_engine
-from services.engine.sampling import SamplingParams
+from dflash_serve.services.api.dflash.v1 import generation_pb2, generation_pb2_grpc
+from dflash_serve.services.config import EngineConfig
+from dflash_serve.services.engine.loader import build_engine
+from dflash_serve.services.engine.sampling import SamplingParams
 from tests.helm.chart import render
 from tests.integration.conftest import DEVICE, free_port
 from tests.integration.ray_head import RayHead, ray_head

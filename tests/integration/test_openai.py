@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from services.api.dflash.v1 import generation_pb2
+from dflash_serve.services.api.dflash.v1 import generation_pb2
 from tests.integration.conftest import deployed_app
 
 pytestmark = pytest.mark.integration

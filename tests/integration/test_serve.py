@@ -15,10 +15,10 @@ import urllib.request
 import grpc
 import pytest
 
-from services.api.dflash.v1 import generation_pb2
-from services.config import EngineConfig
-from services.engine.loader import build_engine
-from services.engine.sampling import SamplingParams
+from dflash_serve.services.api.dflash.v1 import generation_pb2
+from dflash_serve.services.config import EngineConfig
+from dflash_serve.services.engine.loader import build_engine
+from dflash_serve.services.engine.sampling import SamplingParams
 from tests.integration.conftest import DEVICE, deployed_app
 
 pytestmark = pytest.mark.integration
@@ -310,7 +310,7 @@ def _nothing_held(app) -> None:
 def test_a_bounded_soak_is_lossless_and_leaks_nothing(app, model_pair):
     """services/bench/soak.py for about two minutes: greedy outputs equal the target alone's,
     cancellations and bad inputs end as they must, no replica restarted, nothing left held."""
-    from services.bench.soak import soak
+    from dflash_serve.services.bench.soak import soak
 
     report = soak(f"127.0.0.1:{app['ports']['grpc']}", model_pair[0], device=DEVICE, streams=4, seconds=120,
                   max_tokens=24, cancel_fraction=0.2, bad_fraction=0.1)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.prompts import HUMANEVAL_TEMPLATE, LOADERS, SPEC_BENCH_CATEGORIES, load_prompts
+from dflash_serve.services.bench.prompts import HUMANEVAL_TEMPLATE, LOADERS, SPEC_BENCH_CATEGORIES, load_prompts
 from tests.bench_data import REAL_DATA_DIR as DATA_DIR
 from tests.bench_data import write_tiny_bench_data
 

@@ -19,15 +19,15 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from services.api.dflash.v1 import generation_pb2_grpc
-from services.bench.prompts import (
+from dflash_serve.services.api.dflash.v1 import generation_pb2_grpc
+from dflash_serve.services.bench.prompts import (
     MAX_TURN_CHARS,
     Conversation,
     Prompt,
     load_conversations,
     random_prompts,
 )
-from services.bench.serve_bench import (
+from dflash_serve.services.bench.serve_bench import (
     BenchSampling,
     EmbeddedBackend,
     GrpcBackend,
@@ -43,11 +43,11 @@ from services.bench.serve_bench import (
     run_bench,
     summarize,
 )
-from services.config import EngineConfig
-from services.engine.loader import build_engine
-from services.router.auth import ApiKeys
-from services.router.router import Router, RpcFailed
-from services.verifier.verifier import Verifier
+from dflash_serve.services.config import EngineConfig
+from dflash_serve.services.engine.loader import build_engine
+from dflash_serve.services.router.auth import ApiKeys
+from dflash_serve.services.router.router import Router, RpcFailed
+from dflash_serve.services.verifier.verifier import Verifier
 from tests import openai_server
 from tests.bench_data import REAL_DATA_DIR, write_tiny_bench_data
 from tests.openai_server import OpenAIProtocolServer
@@ -330,7 +330,7 @@ def test_embedded_counts_refused_requests_as_failed(model_pair):
 
 
 def test_the_cli_writes_json_markdown_and_a_plot(model_pair, tmp_path, capsys):
-    from services.cli import main
+    from dflash_serve.services.cli import main
 
     target, drafter = model_pair
     out = tmp_path / "bench"
@@ -421,7 +421,7 @@ def test_embedded_conversations_report_latencies_per_turn(model_pair):
 
 @pytest.mark.parametrize("caching", ["on", "off"])
 def test_the_cli_benchmarks_conversations_with_caching_on_and_off(model_pair, tmp_path, caching, capsys):
-    from services.cli import main
+    from dflash_serve.services.cli import main
 
     target, drafter = model_pair
     out = tmp_path / "bench"
@@ -583,7 +583,7 @@ def test_grpc_conversations_send_the_first_answer_in_the_second_turn(server, ver
 
 
 def test_bench_sends_the_api_key_over_grpc(keyed_server, tmp_path, monkeypatch, capsys):
-    from services.cli import main
+    from dflash_serve.services.cli import main
 
     monkeypatch.delenv("DFLASH_API_KEY", raising=False)
     args = ["bench", "--address", keyed_server, "--dataset", "random", "--input-len", "5", "--output-len", "3",
@@ -665,7 +665,7 @@ def test_openai_failures_are_counted(openai):
 
 
 def test_the_cli_benchmarks_an_openai_server_with_random_prompts(openai, model_pair, tmp_path, monkeypatch, capsys):
-    from services.cli import main
+    from dflash_serve.services.cli import main
 
     target, _ = model_pair  # its tokenizer: the random set's vocabulary
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
@@ -698,7 +698,7 @@ def test_openai_conversations_send_the_first_answer_in_the_second_turn(openai):
 
 
 def test_bench_sends_the_api_key_over_http(openai, model_pair, tmp_path, monkeypatch, capsys):
-    from services.cli import main
+    from dflash_serve.services.cli import main
 
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     args = ["bench", "--backend", "openai", "--base-url", openai.base_url, "--tokenizer", model_pair[0],
@@ -727,7 +727,7 @@ def test_bench_sends_the_api_key_over_http(openai, model_pair, tmp_path, monkeyp
     (["--backend", "grpc", "--no-enable-prefix-caching"], "the engine's flags go with --backend embedded"),
 ])
 def test_the_cli_says_what_to_fix(openai, args, says, monkeypatch, capsys):
-    from services.cli import main
+    from dflash_serve.services.cli import main
 
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     base = ["--base-url", openai.base_url] if "openai" in args else []

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.models import CheckpointError, DFlashDraftConfig, DraftConfigError, TargetModel, load_drafter, save_drafter
-from services.models.checkpoint import INDEX_NAME
+from dflash_serve.services.models import CheckpointError, DFlashDraftConfig, DraftConfigError, TargetModel, load_drafter, save_drafter
+from dflash_serve.services.models.checkpoint import INDEX_NAME
 from tests.conftest import drafter_config, random_drafter
 from tests.targets import tiny_target
 

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from services.cli import main, run_until_stopped
-from services.models import save_drafter
+from dflash_serve.services.cli import main, run_until_stopped
+from dflash_serve.services.models import save_drafter
 from tests.conftest import drafter_config, random_drafter
 from tests.targets import tiny_target
 

@@ -9,8 +9,8 @@ import pickle
 import pytest
 import yaml
 
-from services.cli import _serve_config, build_parser, given_config_flags
-from services.config import EngineConfig, ServeConfig
+from dflash_serve.services.cli import _serve_config, build_parser, given_config_flags
+from dflash_serve.services.config import EngineConfig, ServeConfig
 
 BASE = {"engine": {"target": "t", "drafter": "d"}}
 
@@ -160,7 +160,7 @@ def test_generated_flags_parse_to_typed_values_and_old_names_still_work():
 
 
 def test_bench_refuses_engine_flags_for_a_server(capsys):
-    from services.cli import main
+    from dflash_serve.services.cli import main
 
     assert main(["bench", "--backend", "grpc", "--max-num-seqs", "4", "--device", "cpu"]) == 2
     assert "--device, --max-num-seqs: the engine's flags go with --backend embedded" in capsys.readouterr().err
@@ -168,7 +168,7 @@ def test_bench_refuses_engine_flags_for_a_server(capsys):
 
 def test_serve_config_v2_args_take_the_environment_and_the_replicas_get_it_resolved(monkeypatch):
     """Kubernetes: the chart's pods.extraEnv reaches app_from_config, which builds the application."""
-    from services.app import app_from_config
+    from dflash_serve.services.app import app_from_config
 
     monkeypatch.setenv("DFLASH_ENGINE__MAX_NUM_SEQS", "48")
     router = app_from_config(BASE)._bound_deployment  # Ray 2.60's Application (ray is pinned)

@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from services.models import default_pair
-from services.models.default_pair import DefaultPairError
+from dflash_serve.services.models import default_pair
+from dflash_serve.services.models.default_pair import DefaultPairError
 from tests.tokenizer import train_tiny_tokenizer
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS = 600, 32, 2, 4, 2
@@ -234,7 +234,7 @@ def test_a_missing_default_drafter_is_reported_before_anything_is_fetched(cache,
 
 
 def test_the_cli_reports_a_missing_default_drafter(fetched, drafter_dir, monkeypatch, capsys):
-    from services.cli import main
+    from dflash_serve.services.cli import main
 
     no_fetching(monkeypatch)
     assert main(["generate", "--prompt", "hi"]) == 2

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from services.models import DFlashDraftConfig, DraftContext, TargetModel
+from dflash_serve.services.models import DFlashDraftConfig, DraftContext, TargetModel
 from tests.conftest import drafter_config, random_drafter
 from tests.oracle.dflash_reference import reference_draft_logits
 from tests.targets import tiny_target

@@ -1,5 +1,5 @@
 """The engine's draft forward (the drafter's layers in the target's fused layout, over the paged
-pool) against the model code of `services.models.draft` over a dense context, in float32.
+pool) against the model code of `dflash_serve.services.models.draft` over a dense context, in float32.
 
 The engine injects context rows and drafts a block per sequence; the reference recomputes the
 context from the committed tokens with `context_kv` and runs `draft_logits` over it. Variants
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.kv_cache import AttentionBatch
-from services.engine.sampling import SamplingParams
-from services.models.draft import DraftContext
+from dflash_serve.services.engine.kv_cache import AttentionBatch
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.models.draft import DraftContext
 from tests.conftest import drafter_config, random_drafter
 from tests.engine.harness import build_engine
 from tests.targets import tiny_target

@@ -14,12 +14,12 @@ import logging
 import pytest
 import torch
 
-from services.config import EngineConfig
-from services.engine.fused_target import FusedTargetRunner, fused_unsupported_reason
-from services.engine.kv_cache import AttentionBatch, BlockAllocator, KVPool
-from services.engine.loader import target_runner
-from services.engine.target_runner import TargetRunner
-from services.models import TargetModel
+from dflash_serve.services.config import EngineConfig
+from dflash_serve.services.engine.fused_target import FusedTargetRunner, fused_unsupported_reason
+from dflash_serve.services.engine.kv_cache import AttentionBatch, BlockAllocator, KVPool
+from dflash_serve.services.engine.loader import target_runner
+from dflash_serve.services.engine.target_runner import TargetRunner
+from dflash_serve.services.models import TargetModel
 from tests.targets import tiny_target
 
 LAYER_IDS = (0, 1, 3)  # 3: the last layer, whose feature comes out of the final norm's fused add
@@ -171,7 +171,7 @@ def kv_pool_for(target):
 
 
 def test_auto_takes_the_fused_forward_where_it_applies_and_says_which(caplog):
-    with caplog.at_level(logging.INFO, logger="services.engine.loader"):
+    with caplog.at_level(logging.INFO, logger="dflash_serve.services.engine.loader"):
         for family in ("llama", "qwen2", "qwen3", "gemma3"):
             target = TargetModel(tiny_target(family, layers=2).float())
             assert isinstance(target_runner("auto", target, kv_pool_for(target), max_positions=64), FusedTargetRunner)

@@ -18,18 +18,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.kv_injection import inject_context_kv_reference, inject_context_kv_triton
-from kernels.paged_attention import (
+from dflash_serve.kernels.kv_injection import inject_context_kv_reference, inject_context_kv_triton
+from dflash_serve.kernels.paged_attention import (
     paged_attention,
     paged_attention_batched,
     paged_attention_reference,
     paged_attention_triton,
 )
-from services.models.draft import RMSNorm
-from services.models.rope import apply_rotary
+from dflash_serve.services.models.draft import RMSNorm
+from dflash_serve.services.models.rope import apply_rotary
 
-attention_module = importlib.import_module("kernels.paged_attention")
-injection_module = importlib.import_module("kernels.kv_injection")
+attention_module = importlib.import_module("dflash_serve.kernels.paged_attention")
+injection_module = importlib.import_module("dflash_serve.kernels.kv_injection")
 ON_CUDA = torch.cuda.is_available()
 TRITON_AVAILABLE = attention_module.triton is not None
 # Triton picks its interpreter when `import triton` decorates its own standard library, and by the
@@ -390,7 +390,7 @@ def test_interpreted_kernels_in_a_child_pytest():
 def test_rms_norm_reference_is_transformers_qwen3_rmsnorm():
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    from kernels.rms_norm import rms_norm_reference
+    from dflash_serve.kernels.rms_norm import rms_norm_reference
 
     norm = Qwen3RMSNorm(64, eps=1e-6)
     torch.nn.init.normal_(norm.weight)
@@ -415,7 +415,7 @@ def gemma_norms(dim: int, eps: float):
 def test_rms_norm_reference_scaled_in_float32_is_transformers_gemma_rmsnorms():
     from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 
-    from kernels.rms_norm import rms_norm_reference
+    from dflash_serve.kernels.rms_norm import rms_norm_reference
 
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(3, 5, 64, dtype=dtype)
@@ -437,7 +437,7 @@ def test_rms_norm_reference_scaled_in_float32_is_transformers_gemma_rmsnorms():
 @pytest.mark.parametrize("shape", [(7, 64), (2, 3, 4, 128), (1, 576), (5, 100)])
 @pytest.mark.parametrize("scale_in_float32", [False, True], ids=["llama", "gemma"])
 def test_rms_norm_triton_matches_reference(dtype, shape, scale_in_float32):
-    from kernels.rms_norm import rms_norm_reference, rms_norm_triton
+    from dflash_serve.kernels.rms_norm import rms_norm_reference, rms_norm_triton
 
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
@@ -490,7 +490,7 @@ def _flash_attn_stand_in(q, k_cache, v_cache, cache_seqlens, block_table, softma
 
 @pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, 5), (False, 5)])
 def test_flash_backend_maps_our_semantics_onto_flash_attn(monkeypatch, causal, window):
-    from kernels import flash_backend
+    from dflash_serve.kernels import flash_backend
 
     monkeypatch.setattr(flash_backend, "flash_attn_with_kvcache", _flash_attn_stand_in)
     g = torch.Generator().manual_seed(3)
@@ -514,7 +514,7 @@ def test_flash_backend_maps_our_semantics_onto_flash_attn(monkeypatch, causal, w
 
 
 def test_flash_backend_is_only_used_when_it_can_serve_the_call(monkeypatch):
-    from kernels import flash_backend
+    from dflash_serve.kernels import flash_backend
 
     q = torch.randn(8, 4, 16)
     lens = torch.tensor([20, 30], dtype=torch.int32)
@@ -536,7 +536,7 @@ def test_flash_backend_is_only_used_when_it_can_serve_the_call(monkeypatch):
 def test_add_rms_norm_reference_is_transformers_residual_add_then_norm():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from kernels.rms_norm import add_rms_norm_reference
+    from dflash_serve.kernels.rms_norm import add_rms_norm_reference
 
     norm = LlamaRMSNorm(64, eps=1e-5)
     torch.nn.init.normal_(norm.weight)
@@ -547,7 +547,7 @@ def test_add_rms_norm_reference_is_transformers_residual_add_then_norm():
 
 
 def test_add_rms_norm_reference_with_a_sandwich_norm_is_transformers_gemma3_residual_step():
-    from kernels.rms_norm import add_rms_norm_reference
+    from dflash_serve.kernels.rms_norm import add_rms_norm_reference
 
     (post, post_weight), (pre, pre_weight) = gemma_norms(64, 1e-6)[0], gemma_norms(64, 1e-6)[0]
     for dtype in (torch.float32, torch.bfloat16):
@@ -564,7 +564,7 @@ def test_add_rms_norm_reference_with_a_sandwich_norm_is_transformers_gemma3_resi
 @pytest.mark.parametrize("shape", [(7, 64), (1, 576), (5, 100)])
 @pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma-sandwich"])
 def test_add_rms_norm_triton_matches_reference(dtype, shape, gemma):
-    from kernels.rms_norm import add_rms_norm_reference, add_rms_norm_triton
+    from dflash_serve.kernels.rms_norm import add_rms_norm_reference, add_rms_norm_triton
 
     g = torch.Generator().manual_seed(sum(shape))
     x, res = (torch.randn(*shape, generator=g).to(dtype).to(DEVICE) for _ in range(2))
@@ -585,7 +585,7 @@ def test_add_rms_norm_triton_matches_reference(dtype, shape, gemma):
 def test_silu_mul_reference_is_transformers_llama_mlp_activation():
     from transformers.activations import ACT2FN
 
-    from kernels.silu_mul import silu_mul_reference
+    from dflash_serve.kernels.silu_mul import silu_mul_reference
 
     for dtype in (torch.float32, torch.bfloat16):
         gate, up = torch.randn(3, 40, dtype=dtype), torch.randn(3, 40, dtype=dtype)
@@ -595,7 +595,7 @@ def test_silu_mul_reference_is_transformers_llama_mlp_activation():
 def test_gelu_tanh_mul_reference_is_transformers_gemma_mlp_activation():
     from transformers.activations import ACT2FN
 
-    from kernels.silu_mul import gelu_tanh_mul_reference
+    from dflash_serve.kernels.silu_mul import gelu_tanh_mul_reference
 
     for dtype in (torch.float32, torch.bfloat16):
         gate, up = 3 * torch.randn(3, 40, dtype=dtype), torch.randn(3, 40, dtype=dtype)
@@ -608,7 +608,7 @@ def test_gelu_tanh_mul_reference_is_transformers_gemma_mlp_activation():
 @pytest.mark.parametrize("rows, width", [(1, 48), (9, 1500), (4, 2048)])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_act_mul_triton_matches_reference(dtype, rows, width, activation):
-    act_mul = importlib.import_module("kernels.silu_mul")  # `kernels.silu_mul` is also the function
+    act_mul = importlib.import_module("dflash_serve.kernels.silu_mul")  # `dflash_serve.kernels.silu_mul` is also the function
     triton_fn = getattr(act_mul, f"{activation}_mul_triton")
     reference = getattr(act_mul, f"{activation}_mul_reference")
     g = torch.Generator().manual_seed(rows * width)
@@ -636,7 +636,7 @@ def rope_case(*, tokens, heads, kv_heads, head_dim, block_size, dtype, qk_norm, 
 def test_rope_kv_write_reference_is_transformers_qwen3_attention_input():
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
-    from kernels.rope_kv_write import rope_kv_write_reference
+    from dflash_serve.kernels.rope_kv_write import rope_kv_write_reference
 
     heads, kv_heads, head_dim = 4, 2, 16
     for dtype in (torch.float32, torch.bfloat16):
@@ -659,7 +659,7 @@ def test_rope_kv_write_reference_is_transformers_gemma4_attention_input():
     """Gemma's q/k norms scale in float32 (weights folded at load), and Gemma-4 norms the values."""
     from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, apply_rotary_pos_emb
 
-    from kernels.rope_kv_write import rope_kv_write_reference
+    from dflash_serve.kernels.rope_kv_write import rope_kv_write_reference
 
     heads, kv_heads, head_dim = 4, 2, 16
     for dtype in (torch.float32, torch.bfloat16):
@@ -689,7 +689,7 @@ def test_rope_kv_write_reference_is_transformers_gemma4_attention_input():
 @pytest.mark.parametrize("tokens, heads, kv_heads, head_dim",
                          [(1, 4, 2, 16), (13, 8, 2, 32), (5, 2, 2, 24), (3, 20, 4, 16), (2, 12, 4, 8)])
 def test_rope_kv_write_triton_matches_reference(dtype, norms, tokens, heads, kv_heads, head_dim):
-    from kernels.rope_kv_write import rope_kv_write_reference, rope_kv_write_triton
+    from dflash_serve.kernels.rope_kv_write import rope_kv_write_reference, rope_kv_write_triton
 
     qkv, positions, cos, sin, slots, k_cache, v_cache, (qw, kw) = rope_case(
         tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=4, dtype=dtype,
@@ -726,7 +726,7 @@ def test_rope_kv_write_triton_matches_reference(dtype, norms, tokens, heads, kv_
 def test_row_argmax_triton_is_torch_argmax(dtype, shape):
     """Random rows, and rows whose maximum is tied within a chunk, across chunks, and in the last,
     partial chunk: the first index wins, as torch's."""
-    from kernels.argmax import BLOCK_COLS, row_argmax_reference, row_argmax_triton
+    from dflash_serve.kernels.argmax import BLOCK_COLS, row_argmax_reference, row_argmax_triton
 
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(shape, generator=g).to(dtype)
@@ -756,7 +756,7 @@ SKINNY_CASES = [  # rows, N, K, bias, (block_n, block_k)
 @pytest.mark.parametrize("rows,n,k,bias,settings", SKINNY_CASES)
 def test_skinny_linear_triton_matches_f_linear(dtype, rows, n, k, bias, settings):
     """Equal to F.linear in float64; on CUDA also when replayed from a CUDA graph with new inputs."""
-    from kernels.skinny_linear import LaunchSettings, SkinnyLinear
+    from dflash_serve.kernels.skinny_linear import LaunchSettings, SkinnyLinear
 
     g = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=g).to(dtype).to(DEVICE)
@@ -781,7 +781,7 @@ def test_skinny_linear_triton_matches_f_linear(dtype, rows, n, k, bias, settings
 def test_skinny_linear_takes_f_linear_off_the_kernel_path(monkeypatch):
     """More than MAX_ROWS rows, a strided input, float32 on CUDA (TF32 products), a CPU tensor
     without the interpreter: exactly F.linear."""
-    from kernels import skinny_linear as module
+    from dflash_serve.kernels import skinny_linear as module
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     g = torch.Generator().manual_seed(0)
@@ -795,7 +795,7 @@ def test_skinny_linear_takes_f_linear_off_the_kernel_path(monkeypatch):
 
 def test_skinny_linear_settings_by_shape():
     """The rule fitted to the H100 measurements (BENCHMARKS.md), at Qwen3-8B's projections and head."""
-    from kernels.skinny_linear import LaunchSettings
+    from dflash_serve.kernels.skinny_linear import LaunchSettings
 
     for n, k in [(4096, 4096), (4096, 12288)]:  # Qwen3-8B's O, down
         assert LaunchSettings.for_shape(n, k) == LaunchSettings(32, 256)

@@ -8,8 +8,8 @@ from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from services.models import DFlashDraftConfig, default_target_layer_ids
-from services.models.rope import rope_inverse_frequencies
+from dflash_serve.services.models import DFlashDraftConfig, default_target_layer_ids
+from dflash_serve.services.models.rope import rope_inverse_frequencies
 from tests.conftest import drafter_config
 
 

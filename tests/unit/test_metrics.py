@@ -1,7 +1,7 @@
 """The metric definitions: what Ray's metric layer accepts and what a scrape shows."""
 
-from services.engine.stopping import FinishReason
-from services.metrics import FINISHED_REASONS, SPECS, TAG_KEYS, exported_names, vllm_series
+from dflash_serve.services.engine.stopping import FinishReason
+from dflash_serve.services.metrics import FINISHED_REASONS, SPECS, TAG_KEYS, exported_names, vllm_series
 
 
 def test_descriptions_and_names_are_ascii():
@@ -48,8 +48,8 @@ def test_spec_decode_counters_count_verified_drafts_and_the_chosen_k():
     import collections
     from types import SimpleNamespace
 
-    from services.engine.engine import RoundRecord
-    from services.verifier.verifier import Verifier
+    from dflash_serve.services.engine.engine import RoundRecord
+    from dflash_serve.services.verifier.verifier import Verifier
 
     counts, observed = collections.Counter(), collections.defaultdict(list)
 

@@ -15,9 +15,9 @@ import pytest
 from starlette.requests import Request
 from starlette.testclient import TestClient
 
-from services.api.dflash.v1 import generation_pb2
-from services.router.auth import ApiKeys
-from services.router.openai_api import OpenAIServer, generate_request
+from dflash_serve.services.api.dflash.v1 import generation_pb2
+from dflash_serve.services.router.auth import ApiKeys
+from dflash_serve.services.router.openai_api import OpenAIServer, generate_request
 from tests.unit.test_router import (
     MODEL_INFO, FakeContext, FakeVerifier, fails_after_first_round, generate, hangs_after_first_round, make_router,
 )

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.api import codegen
-from services.api.dflash.v1 import drafter_pb2, generation_pb2, generation_pb2_grpc
+from dflash_serve.services.api import codegen
+from dflash_serve.services.api.dflash.v1 import drafter_pb2, generation_pb2, generation_pb2_grpc
 
 
 def test_committed_stubs_are_not_stale():
@@ -17,9 +17,9 @@ def test_committed_stubs_are_not_stale():
         fresh = {p.relative_to(tmp): p.read_text() for p in codegen.generate(Path(tmp))}
     committed = {p.relative_to(codegen.PACKAGE_DIR): p.read_text()
                  for p in (codegen.PACKAGE_DIR / "dflash" / "v1").glob("*_pb2*.py*")}
-    assert fresh.keys() == committed.keys(), "run: python -m services.api.codegen"
+    assert fresh.keys() == committed.keys(), "run: python -m dflash_serve.services.api.codegen"
     for name, text in fresh.items():
-        assert committed[name] == text, f"{name} is stale: run python -m services.api.codegen"
+        assert committed[name] == text, f"{name} is stale: run python -m dflash_serve.services.api.codegen"
 
 
 def test_generation_messages_round_trip():

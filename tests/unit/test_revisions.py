@@ -13,11 +13,11 @@ import pytest
 import torch
 import transformers
 
-import services.engine.loader as loader
-import services.models.target as target_module
-from services.api.dflash.v1 import generation_pb2
-from services.config import EngineConfig, ServeConfig
-from services.models import CheckpointError, TargetLoadError
+import dflash_serve.services.engine.loader as loader
+import dflash_serve.services.models.target as target_module
+from dflash_serve.services.api.dflash.v1 import generation_pb2
+from dflash_serve.services.config import EngineConfig, ServeConfig
+from dflash_serve.services.models import CheckpointError, TargetLoadError
 from tests.served_pair import save_tiny_pair
 
 TARGET, DRAFTER = "org/target", "org/drafter"
@@ -78,7 +78,7 @@ def test_unpinned_models_load_the_default_branch_and_the_log_says_so(hub, caplog
 
 
 def test_the_drafter_actor_and_server_load_the_drafter_revision(hub):
-    from services.drafter.actor import DrafterActor
+    from dflash_serve.services.drafter.actor import DrafterActor
 
     actor = DrafterActor(DRAFTER, "cpu", "float32", "v2")
     actor.server.listener.close()
@@ -87,8 +87,8 @@ def test_the_drafter_actor_and_server_load_the_drafter_revision(hub):
 
 def test_get_model_info_shows_the_revisions(hub):
     """The verifier's model_info, through the router's GetModelInfo, as a client reads it."""
-    from services.router.router import Router
-    from services.verifier.verifier import Verifier
+    from dflash_serve.services.router.router import Router
+    from dflash_serve.services.verifier.verifier import Verifier
 
     verifier = Verifier({"engine": ENGINE, "topology": "colocated"})
     try:
@@ -109,7 +109,7 @@ def test_get_model_info_shows_the_revisions(hub):
 
 
 def test_unpinned_model_info_has_empty_revisions(tmp_path):
-    from services.verifier.verifier import Verifier
+    from dflash_serve.services.verifier.verifier import Verifier
 
     target, drafter = save_tiny_pair(tmp_path, block_size=4)
     verifier = Verifier({"engine": {"target": target, "drafter": drafter, "max_num_seqs": 2}, "topology": "colocated"})
@@ -121,14 +121,14 @@ def test_unpinned_model_info_has_empty_revisions(tmp_path):
 
 
 def test_the_router_deployment_reads_tokenizer_and_config_at_the_target_revision(hub):
-    from services.app import RouterDeployment
+    from dflash_serve.services.app import RouterDeployment
 
     RouterDeployment(None, ServeConfig(engine=EngineConfig(**ENGINE)).to_dict())
     assert sorted(set(hub.calls)) == [("config", TARGET, "t-commit"), ("tokenizer", TARGET, "t-commit")]
 
 
 def test_training_reads_the_target_config_at_its_revision(hub):
-    from services.training.trainer import TrainConfig, new_drafter_config
+    from dflash_serve.services.training.trainer import TrainConfig, new_drafter_config
 
     config = TrainConfig(target=TARGET, output="unused", target_revision="t-commit", num_layers=1,
                          mask_token_id=0)
@@ -167,7 +167,7 @@ def test_revisions_round_trip_through_the_config():
 
 
 def test_the_drafter_loads_on_the_device_asked_with_its_revision(hub):
-    from services.models import load_drafter
+    from dflash_serve.services.models import load_drafter
 
     drafter = load_drafter(DRAFTER, dtype=torch.float32, revision="v2")
     assert drafter.dtype == torch.float32 and hub.calls == [("snapshot", DRAFTER, "v2")]

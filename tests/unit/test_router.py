@@ -19,13 +19,13 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.exceptions import ReplicaUnavailableError
 from transformers import PreTrainedTokenizerFast
 
-from services import client
-from services.api.dflash.v1 import generation_pb2, generation_pb2_grpc
-from services.engine.request import RequestOutput, SpecStats
-from services.engine.sampling import SamplingParams
-from services.engine.stopping import FinishReason
-from services.router import router as router_module
-from services.router.router import Router, RpcFailed
+from dflash_serve.services import client
+from dflash_serve.services.api.dflash.v1 import generation_pb2, generation_pb2_grpc
+from dflash_serve.services.engine.request import RequestOutput, SpecStats
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.stopping import FinishReason
+from dflash_serve.services.router import router as router_module
+from dflash_serve.services.router.router import Router, RpcFailed
 from tests.tokenizer import train_tiny_tokenizer
 
 VOCAB = 600

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.app import build_app
-from services.config import ROUTER_SETTINGS, EngineConfig, ServeConfig
+from dflash_serve.services.app import build_app
+from dflash_serve.services.config import ROUTER_SETTINGS, EngineConfig, ServeConfig
 
 CONFIG = ServeConfig(engine=EngineConfig(target="t", drafter="d"), max_pending=40, default_max_tokens=50)
 

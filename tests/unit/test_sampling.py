@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from services.engine import sampling
-from services.engine.sampling import SamplingBatch, SamplingParams, accept_drafts, resolve_seed, sample_tokens
+from dflash_serve.services.engine import sampling
+from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, accept_drafts, resolve_seed, sample_tokens
 
 # Chi-square tests pass when the p-value is above this. The noise is a fixed hash, so each test
 # either always passes or always fails: no flakiness.

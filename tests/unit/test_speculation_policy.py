@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.config import EngineConfig
-from services.engine.speculation import (
+from dflash_serve.services.config import EngineConfig
+from dflash_serve.services.engine.speculation import (
     AcceptanceTracker,
     RoundCosts,
     SpeculationPolicy,

@@ -11,8 +11,8 @@ from tokenizers import Tokenizer, decoders
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
-from services.engine.sampling import SamplingParams
-from services.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
 from tests.tokenizer import train_tiny_tokenizer
 
 

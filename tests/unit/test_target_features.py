@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.models import TargetModel
+from dflash_serve.services.models import TargetModel
 from tests.targets import FAMILIES, tiny_target
 
 

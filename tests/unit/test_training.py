@@ -17,15 +17,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from kernels import rms_norm_reference
-from services.cli import main
-from services.engine.sampling import SamplingParams
-from services.models import CheckpointError, DFlashDraftConfig, DFlashDraftModel, DraftContext, TargetModel, load_drafter
-from services.training import TrainConfig, train
-from services.training.blocks import block_attention_mask, block_labels, block_loss, draft_blocks
-from services.training.dataset import AnchorBatch, Record, TrainingSet, read_records
-from services.training.prompts import _python_tasks, load_prompts
-from services.training.trainer import choose_mask_token_id, trainable_drafter
+from dflash_serve.kernels import rms_norm_reference
+from dflash_serve.services.cli import main
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.models import CheckpointError, DFlashDraftConfig, DFlashDraftModel, DraftContext, TargetModel, load_drafter
+from dflash_serve.services.training import TrainConfig, train
+from dflash_serve.services.training.blocks import block_attention_mask, block_labels, block_loss, draft_blocks
+from dflash_serve.services.training.dataset import AnchorBatch, Record, TrainingSet, read_records
+from dflash_serve.services.training.prompts import _python_tasks, load_prompts
+from dflash_serve.services.training.trainer import choose_mask_token_id, trainable_drafter
 from tests.conftest import drafter_config, random_drafter
 from tests.engine.harness import build_engine, hf_greedy
 from tests.oracle.dflash_reference import reference_draft_logits
@@ -197,7 +197,7 @@ def test_every_weight_gets_a_gradient_even_where_the_norm_kernel_has_no_backward
         with torch.no_grad():
             return rms_norm_reference(x, weight, eps)
 
-    monkeypatch.setattr("services.models.draft.rms_norm", norm_kernel_without_backward)
+    monkeypatch.setattr("dflash_serve.services.models.draft.rms_norm", norm_kernel_without_backward)
     cfg = DFlashDraftConfig.from_dict(drafter_config(block_size=4, num_hidden_layers=2,
                                                      layer_types=["full_attention"] * 2))
     target = TargetModel(tiny_target("qwen3").float(), cfg.target_layer_ids)

@@ -1,4 +1,4 @@
-"""services.transport across real processes: shared buffers (CPU shm; CUDA IPC where a GPU is
+"""dflash_serve.services.transport across real processes: shared buffers (CPU shm; CUDA IPC where a GPU is
 present), the feature ring, and the frame channel, including peers that die or send garbage."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from multiprocessing import resource_tracker
 import pytest
 import torch
 
-from services.api.dflash.v1 import drafter_pb2
-from services.transport import (
+from dflash_serve.services.api.dflash.v1 import drafter_pb2
+from dflash_serve.services.transport import (
     ChannelClosed,
     FeatureRing,
     FrameError,
@@ -27,8 +27,8 @@ from services.transport import (
     open_shared,
     read_rows,
 )
-from services.transport.channel import HEADER
-from services.transport.shared_buffer import SEGMENT_PREFIX, SHM_DIR
+from dflash_serve.services.transport.channel import HEADER
+from dflash_serve.services.transport.shared_buffer import SEGMENT_PREFIX, SHM_DIR
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

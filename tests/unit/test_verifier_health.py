@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from services.engine.sampling import SamplingParams
-from services.engine.stopping import FinishReason
-from services.verifier.verifier import Verifier
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.stopping import FinishReason
+from dflash_serve.services.verifier.verifier import Verifier
 from tests.served_pair import save_tiny_pair
 
 

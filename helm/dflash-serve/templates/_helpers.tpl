@@ -52,7 +52,7 @@ this chart owns.
 {{/*
 Ray Serve's config (RayService serveConfigV2), where the server's config lives (no file, no pod
 annotation: a config-only change leaves the pods alone, and KubeRay applies it to the running
-cluster). services.app:app_from_config builds the application from its `args`; Serve rebuilds it,
+cluster). dflash_serve.services.app:app_from_config builds the application from its `args`; Serve rebuilds it,
 restarting every replica and reloading the models, when they change. The routers' own settings
 (services/config.py:ROUTER_SETTINGS) go to the Router's user_config instead, with the Serve options
 build_app derives from max_pending (CONTROL_HEADROOM is services/app.py's), so changing them
@@ -71,13 +71,13 @@ grpc_options:
   port: {{ .Values.ports.grpc }}
   enable_reflection: true
   grpc_servicer_functions:
-    - services.api.dflash.v1.generation_pb2_grpc.add_GenerationServicer_to_server
+    - dflash_serve.services.api.dflash.v1.generation_pb2_grpc.add_GenerationServicer_to_server
     - grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server
-    - services.app.lost_replicas_are_unavailable
+    - dflash_serve.services.app.lost_replicas_are_unavailable
 applications:
   - name: dflash
     route_prefix: /
-    import_path: services.app:app_from_config
+    import_path: dflash_serve.services.app:app_from_config
     args:
       {{- omit $config "max_pending" "default_max_tokens" | toYaml | nindent 6 }}
     deployments:

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from services.api.dflash.v1 import generation_pb2 as dflash_dot_v1_dot_generation__pb2
+from dflash_serve.services.api.dflash.v1 import generation_pb2 as dflash_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.76.0'
 GRPC_VERSION = grpc.__version__
