@@ -79,12 +79,12 @@ class TargetOnlyReference:
     """Greedy outputs of the target alone, one run per prompt at the longest max_tokens: a shorter
     request's output is that run's prefix (or all of it, where the run stopped earlier)."""
 
-    def __init__(self, target: str, device: str, prompts: list[str], max_tokens: int):
+    def __init__(self, target: str, device: str, prompts: list[str], max_tokens: int, dtype: str = "auto"):
         from dflash_serve.services.config import EngineConfig
         from dflash_serve.services.engine.loader import build_engine
         from dflash_serve.services.engine.sampling import SamplingParams
 
-        engine = build_engine(EngineConfig(target=target, drafter=None, device=device))
+        engine = build_engine(EngineConfig(target=target, drafter=None, device=device, dtype=dtype))
         encoded = [engine.tokenizer.encode(p) for p in prompts]
         outputs = engine.generate(encoded, SamplingParams(temperature=0.0, max_tokens=max_tokens))
         self.outputs = {prompt: list(out.output_ids) for prompt, out in zip(prompts, outputs)}
@@ -94,7 +94,8 @@ class TargetOnlyReference:
 
 
 def server_rss_mb() -> dict[str, float]:
-    """pid:title -> RSS in MB of the server's replica processes on this machine (none: {})."""
+    """"pid:class" -> RSS in MB of the server's replica processes on this machine (none: {}). The
+    class, not the whole title: Ray retitles a replica while it runs a method."""
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -104,7 +105,7 @@ def server_rss_mb() -> dict[str, float]:
             rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
         except (OSError, IndexError, ValueError):  # it exited meanwhile
             continue
-        found[f"{pid}:{title}"] = rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+        found[f"{pid}:{title.split('.')[0]}"] = rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**20
     return found
 
 
@@ -117,7 +118,11 @@ class Soak:
         self.report = SoakReport(streams=streams)
         self._lock = threading.Lock()
 
-    def run(self, seconds: float) -> SoakReport:
+    def run(self, seconds: float, *, ready_timeout_s: float = 300.0, progress=None,
+            progress_every_s: float = 60.0) -> SoakReport:
+        """Wait until the server answers, then soak for `seconds`; `progress(report)` is called
+        every `progress_every_s` (a run cut short still leaves its numbers)."""
+        self.wait_until_ready(ready_timeout_s)
         for index in range(self.streams):  # warm-up: every stream's first request, not counted
             self._greedy(random.Random(self.seed - 1 - index), record=False)
         rss_start = server_rss_mb()
@@ -127,8 +132,14 @@ class Soak:
                    for i in range(self.streams)]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join(timeout=seconds + self.timeout_s + 30)
+        join_by, next_progress = deadline + self.timeout_s + 30, start + progress_every_s
+        while any(t.is_alive() for t in threads) and time.monotonic() < join_by:
+            time.sleep(0.5)
+            if progress is not None and time.monotonic() >= next_progress:
+                next_progress += progress_every_s
+                with self._lock:
+                    self.report.duration_s = time.monotonic() - start
+                    progress(self.report)
         self.report.duration_s = time.monotonic() - start
         rss_end = server_rss_mb()
         if rss_start and rss_end:
@@ -137,6 +148,22 @@ class Soak:
                                   "processes": {k: round(v, 1) for k, v in rss_end.items()},
                                   "replaced": sorted(set(rss_start) ^ set(rss_end))}
         return self.report
+
+    def wait_until_ready(self, timeout_s: float) -> None:
+        """A server just started takes requests before its verifier replica runs (the router then
+        answers UNAVAILABLE): the soak starts once a greedy request succeeds."""
+        give_up = time.monotonic() + timeout_s
+        request = generation_pb2.GenerateRequest(prompt=next(iter(self.reference.outputs)),
+                                                 sampling=generation_pb2.SamplingParams(temperature=0.0, max_tokens=1))
+        while True:
+            try:
+                list(self.stub.Generate(request, timeout=self.timeout_s))
+                return
+            except grpc.RpcError as err:
+                if err.code() is not grpc.StatusCode.UNAVAILABLE or time.monotonic() > give_up:
+                    raise RuntimeError(f"the server is not ready after {timeout_s:.0f} s: {err.code().name} "
+                                       f"{err.details()}") from err
+            time.sleep(1.0)
 
     def _stream(self, rng: random.Random, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -203,20 +230,20 @@ class Soak:
             self._record("bad_input", err.code().name)
 
 
-def soak(address: str, target: str, *, device: str = "cpu", streams: int = 4, seconds: float = 120,
-         max_tokens: int = 48, cancel_fraction: float = 0.15, bad_fraction: float = 0.1, seed: int = 0,
-         timeout_s: float = 120, prompts: list[str] | None = None) -> SoakReport:
+def soak(address: str, target: str, *, device: str = "cpu", dtype: str = "auto", streams: int = 4,
+         seconds: float = 120, max_tokens: int = 48, cancel_fraction: float = 0.15, bad_fraction: float = 0.1,
+         seed: int = 0, timeout_s: float = 120, prompts: list[str] | None = None, progress=None) -> SoakReport:
     if not (streams >= 1 and seconds > 0 and max_tokens >= 1):
         raise ValueError("streams and max_tokens must be at least 1 and the duration positive")
     if not (0 <= cancel_fraction and 0 <= bad_fraction and cancel_fraction + bad_fraction <= 1):
         raise ValueError("cancel_fraction and bad_fraction must be >= 0 and add up to at most 1")
-    reference = TargetOnlyReference(target, device, prompts or PROMPTS, max_tokens)
+    reference = TargetOnlyReference(target, device, prompts or PROMPTS, max_tokens, dtype)
     with grpc.insecure_channel(address) as channel:
         grpc.channel_ready_future(channel).result(timeout=60)
         runner = Soak(generation_pb2_grpc.GenerationStub(channel), reference, streams=streams,
                       max_tokens=max_tokens, cancel_fraction=cancel_fraction, bad_fraction=bad_fraction,
                       seed=seed, timeout_s=timeout_s)
-        return runner.run(seconds)
+        return runner.run(seconds, progress=progress)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", required=True, help="the server's gRPC host:port")
     parser.add_argument("--target", required=True, help="the served target (folder or hub id), for the reference")
     parser.add_argument("--device", default="cpu", help="where the reference target runs")
+    parser.add_argument("--dtype", default="auto",
+                        help="the reference's dtype: the server's (EngineConfig.dtype). In bfloat16 a batch's "
+                             "rounding differs from a lone sequence's, so greedy near-ties can differ: compare in float32")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--minutes", type=float, default=2.0)
     parser.add_argument("--max-tokens", type=int, default=48, help="greedy requests draw max_tokens from 1..this")
@@ -238,10 +268,16 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
         if not prompts:
             parser.error(f"--prompts {args.prompts}: no prompt in the file")
+    def progress(report: SoakReport) -> None:
+        print(f"{report.duration_s:.0f} s: {sum(report.requests.values())} requests, {report.mismatches} "
+              f"mismatches, failures {dict(report.failures)}", file=sys.stderr, flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+
     try:
-        report = soak(args.address, args.target, device=args.device, streams=args.streams, seconds=args.minutes * 60,
-                      max_tokens=args.max_tokens, cancel_fraction=args.cancel_fraction,
-                      bad_fraction=args.bad_fraction, seed=args.seed, prompts=prompts)
+        report = soak(args.address, args.target, device=args.device, dtype=args.dtype, streams=args.streams,
+                      seconds=args.minutes * 60, max_tokens=args.max_tokens, cancel_fraction=args.cancel_fraction,
+                      bad_fraction=args.bad_fraction, seed=args.seed, prompts=prompts, progress=progress)
     except ValueError as err:
         parser.error(str(err))
     text = json.dumps(report.to_dict(), indent=2)
