@@ -170,6 +170,7 @@ class Engine:
         self._seed_rng = random.Random(0)
         self._outputs: list[RequestOutput] = []
         self._in_flight: _Round | None = None  # launched, not read: the host works while it runs
+        self._chained_read_at: float | None = None  # when the last round of a chain was read
         # Chain rounds (`step`). On a CPU nothing overlaps, and a chained round after a request's
         # last one is wasted work, so there only the tests turn it on (to run the same loop).
         self.chain_rounds = config.async_scheduling and self.device.type == "cuda"
@@ -256,7 +257,14 @@ class Engine:
             lookahead = self.block_size  # what the new round writes, even if it loses its drafter
             self._in_flight = self._guarded(self._launch_round, previous.seqs, previous.seqs, previous)
             self._guarded(self._finish_round, previous, previous.seqs, lookahead)
+            # Back to back with the round before it: the time since that one was read is this
+            # one's wall time, what the speculation policy weighs ks by.
+            now = time.perf_counter()
+            if self._chained_read_at is not None and previous.proposer is not None:
+                self.speculation.observe_round_time(len(previous.seqs), previous.k, now - self._chained_read_at)
+            self._chained_read_at = now
         else:
+            self._chained_read_at = None
             if previous is not None:
                 self._guarded(self._finish_round, previous, previous.seqs)
             plan = self.scheduler.schedule()
@@ -267,11 +275,14 @@ class Engine:
             if plan.prefills:
                 self._guarded(self._prefill, plan.prefills, [c.seq for c in plan.prefills])
             if plan.decodes:
+                t0 = time.perf_counter()
                 launched = self._guarded(self._launch_round, plan.decodes, plan.decodes)
                 if launched is not None and launched.chainable:
                     self._in_flight = launched
                 elif launched is not None:
                     self._guarded(self._finish_round, launched, launched.seqs)
+                    if launched.proposer is not None:  # read at once: launch to read is its wall time
+                        self.speculation.observe_round_time(len(launched.seqs), launched.k, time.perf_counter() - t0)
         outputs, self._outputs = self._outputs, []
         return outputs
 
@@ -441,7 +452,7 @@ class Engine:
         else:
             accepted = accept_drafts(drafts, target_tokens)
         if self.synthetic_tau is not None and k:  # an AR round accepts nothing, and owes nothing
-            accepted = torch.full_like(accepted, self._synthetic_accept_length(k + 1))
+            accepted = torch.full_like(accepted, self._synthetic_accept_length(k))
         if min(verified) < k:
             accepted = accepted.minimum(to_device(verified, torch.long, self.device))
         clock.mark()
@@ -664,12 +675,15 @@ class Engine:
             self.allocator.release(table)
         return sizes, verify, draft
 
-    def _synthetic_accept_length(self, block: int) -> int:
-        """Accepted drafts for this round so that the running mean of a+1 tracks synthetic_tau."""
+    def _synthetic_accept_length(self, k: int) -> int:
+        """Accepted drafts of a round verifying k: the drafter's whole block matches the target up
+        to a length whose running mean plus one tracks synthetic_tau (over every drafting round,
+        whatever its k), and the round accepts the part it verified — as with real drafts, what a
+        smaller k leaves unverified is lost, not owed to later rounds."""
         self._synthetic_debt += self.synthetic_tau - 1
-        a = min(int(self._synthetic_debt + 0.5), block - 1)
+        a = min(int(self._synthetic_debt + 0.5), self.block_size - 1)
         self._synthetic_debt -= a
-        return a
+        return min(a, k)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         return SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs], self.device)

@@ -8,9 +8,11 @@ tokens per second,
 
     sum_i E[accepted_i + 1 | min(k, cap_i)]  /  (draft(n) [k > 0] + verify(n, k)),
 
-from verify and draft costs the engine measured for its own shapes at start-up (`RoundCosts`)
-and the acceptance measured online per draft position (`AcceptanceTracker`). `cap_i` is a
-request's own limit (`SamplingParams.num_speculative_tokens`; 0 opts out).
+from verify and draft costs the engine measured for its own shapes at start-up (`RoundCosts`),
+corrected online by the wall time rounds of each k actually take (the host's share and sampling
+are not in a graph replay, and on a small model they dominate), and the acceptance measured
+online per draft position (`AcceptanceTracker`). `cap_i` is a request's own limit
+(`SamplingParams.num_speculative_tokens`; 0 opts out).
 
 k is chosen from a few buckets, 0, 1, 3, 7, B−1 (and the values of a static table): on a GPU each
 is a set of CUDA graphs per batch-size bucket, so the set stays small; the expected tokens of a
@@ -98,10 +100,16 @@ class RoundCosts:
     A drafter in another process cannot be timed at start-up: its cost is learnt from the rounds
     (`observe_draft`), starting at 0 where unobserved — optimistic, so that rounds speculate and
     measure it.
+
+    A round's wall time is not its forwards' device time: the host's work per round, and
+    sampling, come on top, more so for a speculative round than an AR step. Wall times of rounds
+    in steady decoding (`observe_round`) keep, per k and measured batch size, a moving average of
+    wall / predicted seconds that scales `round_seconds`; a (k, size) never observed keeps the
+    start-up prediction, which underestimates it — so it is tried, and measured, once chosen.
     """
 
     def __init__(self, batch_sizes: Sequence[int], verify: dict[int, Sequence[float]],
-                 draft: Sequence[float] | None, *, draft_rate: float = 0.1):
+                 draft: Sequence[float] | None, *, draft_rate: float = 0.1, wall_rate: float = 0.05):
         self.batch_sizes = list(batch_sizes)
         if self.batch_sizes != sorted(set(self.batch_sizes)) or not self.batch_sizes:
             raise ValueError(f"batch sizes {batch_sizes} must be distinct and ascending")
@@ -116,6 +124,8 @@ class RoundCosts:
         self.measured_draft = draft is not None
         self.draft = monotone(draft) if draft is not None else [0.0] * len(self.batch_sizes)
         self.draft_rate = draft_rate
+        self.wall_rate = wall_rate
+        self.wall_factor: dict[tuple[int, int], float] = {}  # (k, index of the nearest batch size) -> wall / predicted
 
     @property
     def ks(self) -> tuple[int, ...]:
@@ -135,10 +145,31 @@ class RoundCosts:
     def draft_seconds(self, n: int) -> float:
         return self._interpolate(self.draft, n)
 
+    def predicted_seconds(self, n: int, k: int) -> float:
+        """A round's forwards at batch n verifying k drafts (no draft forward when k = 0)."""
+        return self.verify_seconds(n, k) + (self.draft_seconds(n) if k else 0.0)
+
+    def round_seconds(self, n: int, k: int) -> float:
+        """The expected wall time of such a round: the prediction, corrected by what rounds took."""
+        return self.predicted_seconds(n, k) * self.wall_factor.get((k, self._nearest(n)), 1.0)
+
+    def observe_round(self, n: int, k: int, seconds: float) -> None:
+        """A round at batch n verifying k drafts took `seconds` of wall time, back to back with the
+        round before it."""
+        predicted = self.predicted_seconds(n, k)
+        if predicted <= 0 or seconds <= 0:
+            return
+        key = (k, self._nearest(n))
+        ratio, old = seconds / predicted, self.wall_factor.get(key)
+        self.wall_factor[key] = ratio if old is None else old + self.wall_rate * (ratio - old)
+
+    def _nearest(self, n: int) -> int:
+        return min(range(len(self.batch_sizes)), key=lambda i: abs(self.batch_sizes[i] - n))
+
     def observe_draft(self, n: int, seconds: float) -> None:
         """A remote drafter's round at batch `n` took `seconds`: into the nearest measured size's
         moving average (its first observation replaces the optimistic 0)."""
-        at = min(range(len(self.batch_sizes)), key=lambda i: abs(self.batch_sizes[i] - n))
+        at = self._nearest(n)
         scaled = seconds * self.batch_sizes[at] / n  # to that size, as if linear in n nearby
         old = self.draft[at]
         self.draft[at] = scaled if old == 0.0 else old + self.draft_rate * (scaled - old)
@@ -233,7 +264,7 @@ class SpeculationPolicy:
             if k > limit:
                 break
             gain = sum(expected_tokens(acceptance, min(k, c)) for c in caps)
-            seconds = costs.verify_seconds(n, k) + (costs.draft_seconds(n) if k else 0.0)
+            seconds = costs.round_seconds(n, k)
             rate = gain / seconds if seconds > 0 else math.inf
             if rate > best_rate * (1 + 1e-9):  # ties go to the smaller k
                 best_k, best_rate = k, rate
@@ -241,3 +272,8 @@ class SpeculationPolicy:
 
     def observe_round(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
         self.tracker.observe_round(verified, accepted)
+
+    def observe_round_time(self, n: int, k: int, seconds: float) -> None:
+        """Wall seconds of a round in steady decoding (see `RoundCosts`)."""
+        if self.costs is not None and self.mode == "adaptive":
+            self.costs.observe_round(n, k, seconds)

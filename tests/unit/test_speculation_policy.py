@@ -185,6 +185,38 @@ def test_no_probes_where_no_acceptance_could_make_speculation_pay():
     assert {policy.choose([None] * 8) for _ in range(1000)} == {0}
 
 
+def test_wall_times_of_rounds_correct_the_start_up_costs():
+    """Start-up replays time only the forwards: here a speculative round looks as cheap as an AR
+    step, but its host work and sampling make it take three times as long. Once rounds of both
+    kinds are observed, the policy decodes AR at an acceptance where drafts cannot pay for that."""
+    costs = _costs(lambda n, k: 1.0, draft=0.0)
+    policy = _policy(costs, [0.5] * (B - 1))
+    assert policy.choose([None] * 8) == 15  # never observed: the prediction
+    wall = lambda k: 3.0 if k else 1.0  # noqa: E731
+    chosen = []
+    for _ in range(200):  # each chosen k is measured; those not yet measured look cheap and get tried
+        k = policy.choose([None] * 8)
+        policy.observe_round_time(8, k, wall(k))
+        chosen.append(k)
+    assert set(chosen) == set(costs.ks)
+    # E[tokens] of any k at 0.5 is < 2, for 3× the time: AR, but for a probe every 64 rounds
+    assert set(chosen[-100:]) == {0, 1} and chosen[-100:].count(1) <= 2
+    assert costs.round_seconds(8, 15) == pytest.approx(3.0)
+    assert costs.round_seconds(8, 0) == pytest.approx(1.0)
+    # Another batch size keeps its own correction (none yet: the prediction).
+    assert costs.round_seconds(32, 15) == pytest.approx(1.0)
+
+
+def test_wall_times_are_a_moving_average_and_ignored_by_fixed_speculation():
+    costs = _costs(lambda n, k: 2.0)
+    costs.observe_round(1, 7, 4.0)
+    costs.observe_round(1, 7, 2.0)
+    assert costs.round_seconds(1, 7) == pytest.approx(2.0 * (2.0 + 0.05 * (1.0 - 2.0)))
+    fixed = _policy(_costs(lambda n, k: 2.0), speculation="fixed")
+    fixed.observe_round_time(1, 7, 100.0)
+    assert fixed.costs.wall_factor == {}
+
+
 def test_the_policy_state_is_bounded_however_long_it_runs():
     policy = _policy(_costs(lambda n, k: 1.0 + 0.1 * k, draft=0.1))
     sizes = lambda: {name: len(value) for name, value in vars(policy.tracker).items() if isinstance(value, list)}  # noqa: E731
