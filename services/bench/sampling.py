@@ -7,8 +7,10 @@
 bf16 logits, temperature 1, every request sampling; rows of 16 or more are rows/16 requests of a
 16-slot speculative block, fewer rows are that many requests of one slot (target-only decoding). One
 case per vocabulary adds top-p 0.9 (its sort stays in torch; the kernel applies the threshold).
-µs per call from CUDA events, median of --iters calls after warm-up; the tokens of both paths are
-compared (a mismatch is only possible at a near-tie of race scores, an ulp of float32 log apart).
+µs per call: the device time (--iters calls captured in one CUDA graph, median of 7 replays) and,
+in parentheses, eager calls launched back to back (host launch overhead included: the reference is
+dozens of small launches, the kernel 2). The tokens of both paths are compared (a mismatch is only possible at a
+near-tie of race scores, were the float32 logs to round apart).
 """
 
 from __future__ import annotations
@@ -26,18 +28,47 @@ from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams,
 TOP_P_ROWS = (16, 512)
 
 
-def cuda_time_us(call, iters: int) -> float:
+def eager_time_us(call, iters: int) -> float:
+    """µs per call launched back to back from Python: what a step pays when the host is the limit
+    (each call's launches, allocations and Python included)."""
     for _ in range(3):
         call()
     torch.cuda.synchronize()
-    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     for _ in range(iters):
+        call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def graph_time_us(call, iters: int) -> float | None:
+    """µs per call of the device work alone: `iters` calls captured in one CUDA graph, median of 7
+    replays. None if the call cannot be captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                call()
+    except RuntimeError as err:
+        print(f"not captured in a CUDA graph: {err}", file=sys.stderr)
+        return None
+    graph.replay()
+    times = []
+    for _ in range(7):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        call()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        times.append(start.elapsed_time(end) * 1e3 / iters)
     return sorted(times)[len(times) // 2]
 
 
@@ -50,7 +81,8 @@ def measure(rows: int, vocab: int, top_p: float, iters: int) -> dict:
     batch = SamplingBatch.build(params, [p.seed for p in params], "cuda")
     positions = torch.arange(n * slots, device="cuda").view(n, slots) + 500
 
-    kernel = lambda: sample_tokens(logits, batch, positions)  # noqa: E731
+    def kernel():
+        return sample_tokens(logits, batch, positions)
 
     def reference():
         original = sampling.sample_race
@@ -60,10 +92,15 @@ def measure(rows: int, vocab: int, top_p: float, iters: int) -> dict:
         finally:
             sampling.sample_race = original
 
-    mismatches = int((kernel() != reference()).sum())
-    return {"rows": rows, "vocab": vocab, "requests": n, "slots": slots, "top_p": top_p,
-            "reference_us": cuda_time_us(reference, iters), "kernel_us": cuda_time_us(kernel, iters),
-            "argmax_us": cuda_time_us(lambda: row_argmax(logits), iters), "mismatches": mismatches}
+    def argmax():
+        return row_argmax(logits)
+
+    row = {"rows": rows, "vocab": vocab, "requests": n, "slots": slots, "top_p": top_p,
+           "mismatches": int((kernel() != reference()).sum())}
+    for name, call in (("reference", reference), ("kernel", kernel), ("argmax", argmax)):
+        row[f"{name}_us"] = graph_time_us(call, iters)
+        row[f"{name}_eager_us"] = eager_time_us(call, iters)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,14 +123,19 @@ def main(argv: list[str] | None = None) -> int:
             results.append(measure(rows, vocab, top_p, args.iters))
             print(json.dumps(results[-1]), flush=True)
             torch.cuda.empty_cache()
-    print(f"\ndevice {torch.cuda.get_device_name()}; bf16 logits, temperature 1; µs per sample_tokens call "
-          f"(CUDA events, median of {args.iters})")
+    print(f"\ndevice {torch.cuda.get_device_name()}; bf16 logits, temperature 1; µs per sample_tokens call: "
+          f"device time in a CUDA graph of {args.iters} calls (eager, launched back to back, in parentheses)")
     print("| rows (N × S) | V | top-p | torch reference µs | kernel µs | speed-up | row_argmax µs | mismatches |")
     print("|---|---|---|---|---|---|---|---|")
+
+    def us(r, name):
+        graph = "-" if r[f"{name}_us"] is None else f"{r[f'{name}_us']:.1f}"
+        return f"{graph} ({r[f'{name}_eager_us']:.1f})"
+
     for r in results:
-        print(f"| {r['rows']} ({r['requests']} × {r['slots']}) | {r['vocab']} | {r['top_p']:g} | "
-              f"{r['reference_us']:.1f} | {r['kernel_us']:.1f} | {r['reference_us'] / r['kernel_us']:.1f}× | "
-              f"{r['argmax_us']:.1f} | {r['mismatches']} |")
+        speedup = "-" if None in (r["reference_us"], r["kernel_us"]) else f"{r['reference_us'] / r['kernel_us']:.1f}×"
+        print(f"| {r['rows']} ({r['requests']} × {r['slots']}) | {r['vocab']} | {r['top_p']:g} | {us(r, 'reference')} | "
+              f"{us(r, 'kernel')} | {speedup} | {us(r, 'argmax')} | {r['mismatches']} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
