@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for r in results:
         speedup = "-" if None in (r["reference_us"], r["kernel_us"]) else f"{r['reference_us'] / r['kernel_us']:.1f}×"
-        print(f"| {r['rows']} ({r['requests']} × {r['slots']}) | {r['vocab']} | {r['top_p']:g} | {us(r, 'reference')} | "
-              f"{us(r, 'kernel')} | {speedup} | {us(r, 'argmax')} | {r['mismatches']} |")
+        print(f"| {r['rows']} ({r['requests']} × {r['slots']}) | {r['vocab']} | {r['top_p']:g} | "
+              f"{us(r, 'reference')} | {us(r, 'kernel')} | {speedup} | {us(r, 'argmax')} | {r['mismatches']} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

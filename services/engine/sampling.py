@@ -186,7 +186,8 @@ def _thresholds(logits: Tensor, batch: SamplingBatch) -> Tensor:
         thresholds[part] = _truncation_threshold(scores, top_p[part], top_k[part], batch)
     if rows is None:
         return thresholds.view(n, s)
-    return torch.full((n * s,), -math.inf, dtype=torch.float32, device=logits.device).index_copy_(0, rows, thresholds).view(n, s)
+    every_row = torch.full((n * s,), -math.inf, dtype=torch.float32, device=logits.device)
+    return every_row.index_copy_(0, rows, thresholds).view(n, s)
 
 
 def _truncation_threshold(scores: Tensor, top_p: Tensor, top_k: Tensor, batch: SamplingBatch) -> Tensor:
