@@ -12,6 +12,8 @@
 - `SkinnyLinear`: a linear layer whose GEMMs of at most 16 rows (decode, verify, draft) are one
   launch streaming the weight, split-K reduce included.
 - `row_argmax`: greedy token choice over a vocabulary (the first index of each row's maximum).
+- `sample_race`: seeded sampling (the exponential race with counter-based noise keyed by seed and
+  position, greedy rows, top-k / top-p thresholds) of a whole batch in two launches.
 
 The Triton kernels run when the tensors are on CUDA (or under TRITON_INTERPRET=1); otherwise, or
 without triton installed, the references run — for attention `paged_attention_batched`, its
@@ -35,6 +37,7 @@ from dflash_serve.kernels.rms_norm import (
     rms_norm_triton,
 )
 from dflash_serve.kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference, rope_kv_write_triton
+from dflash_serve.kernels.sampling import sample_race, sample_race_reference, sample_race_triton
 from dflash_serve.kernels.skinny_linear import SkinnyLinear, skinny_linear_reference, skinny_linear_triton
 from dflash_serve.kernels.silu_mul import (
     gelu_tanh_mul,
@@ -69,6 +72,9 @@ __all__ = [
     "row_argmax_triton",
     "rope_kv_write_reference",
     "rope_kv_write_triton",
+    "sample_race",
+    "sample_race_reference",
+    "sample_race_triton",
     "silu_mul",
     "silu_mul_reference",
     "silu_mul_triton",

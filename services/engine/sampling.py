@@ -4,13 +4,13 @@ The target samples every block slot; a draft is accepted while it equals the tar
 that position, so every emitted token is a target sample and the output is distributed exactly as
 target-only decoding. Beyond that, a seeded request *reproduces* target-only decoding: the draw for
 a request at absolute position p is a pure function of (seed, p, logits row). Its noise comes from
-a counter-based integer hash instead of a device RNG, so neither batch composition, nor the block
-size, nor how many drafts were accepted changes what is sampled.
+a counter-based integer hash instead of a device RNG (`dflash_serve.kernels.sampling`, which also
+holds the race itself), so neither batch composition, nor the block size, nor how many drafts were
+accepted changes what is sampled.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import random
 from collections.abc import Sequence
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash_serve.kernels import row_argmax
+from dflash_serve.kernels import row_argmax, sample_race
 from dflash_serve.services.engine.transfer import to_device
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -86,43 +86,49 @@ def resolve_seed(params: SamplingParams, rng: random.Random) -> int:
 class SamplingBatch:
     """Per-request sampling parameters of one batch as device tensors, built once per step."""
 
-    # The four per-request tensors are None when every request is greedy (all_greedy).
-    temperature: Tensor | None  # [N] float32; 0 for greedy requests
+    # None when every request is greedy (all_greedy).
+    temperature: Tensor | None  # [N] float32; 0 for greedy requests (the kernel's greedy rows)
+    seed: Tensor | None  # [N] int64
+    # The truncating requests (sampling, with top-k or top-p): their parameters, and which they are.
+    # None when no request truncates.
     top_p: Tensor | None  # [N] float32
     top_k: Tensor | None  # [N] int64; 0 = off
-    seed: Tensor | None  # [N] int64
-    sampled_requests: Tensor | None  # [Ns] int64: the non-greedy requests; None when all of them sample
+    truncated_requests: Tensor | None  # [Nt] int64; None when all requests truncate (or none does)
     all_greedy: bool
-    any_top_k: bool  # among sampling requests
+    any_top_k: bool  # among truncating requests
     any_top_p: bool
     max_top_k: int
-    needs_full_sort: bool  # a sampling request uses top-p without top-k
+    needs_full_sort: bool  # a truncating request uses top-p without top-k
+
+    @property
+    def truncates(self) -> bool:
+        return self.any_top_k or self.any_top_p
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], device: torch.device | str) -> SamplingBatch:
         if len(params) != len(seeds):
             raise ValueError(f"{len(params)} sampling params but {len(seeds)} seeds")
-        sampling = [i for i, p in enumerate(params) if not p.greedy]
-        if not sampling:  # argmax needs none of the per-request tensors: no host-to-device copies
-            return cls(temperature=None, top_p=None, top_k=None, seed=None, sampled_requests=None, all_greedy=True,
+        if all(p.greedy for p in params):  # argmax needs none of the per-request tensors: no copies
+            return cls(temperature=None, seed=None, top_p=None, top_k=None, truncated_requests=None, all_greedy=True,
                        any_top_k=False, any_top_p=False, max_top_k=0, needs_full_sort=False)
-        top_ks = [params[i].top_k for i in sampling if params[i].top_k > 0]
+        truncated = [i for i, p in enumerate(params) if not p.greedy and (p.top_k > 0 or p.top_p < 1)]
+        top_ks = [params[i].top_k for i in truncated if params[i].top_k > 0]
         return cls(
             temperature=to_device([p.temperature for p in params], torch.float32, device),
-            top_p=to_device([p.top_p for p in params], torch.float32, device),
-            top_k=to_device([p.top_k for p in params], torch.long, device),
             seed=to_device(list(seeds), torch.long, device),
-            sampled_requests=None if len(sampling) == len(params) else to_device(sampling, torch.long, device),
-            all_greedy=not sampling,
+            top_p=to_device([p.top_p for p in params], torch.float32, device) if truncated else None,
+            top_k=to_device([p.top_k for p in params], torch.long, device) if truncated else None,
+            truncated_requests=None if len(truncated) in (0, len(params)) else to_device(truncated, torch.long, device),
+            all_greedy=False,
             any_top_k=bool(top_ks),
-            any_top_p=any(params[i].top_p < 1 for i in sampling),
+            any_top_p=any(params[i].top_p < 1 for i in truncated),
             max_top_k=max(top_ks, default=0),
-            needs_full_sort=any(params[i].top_p < 1 and params[i].top_k == 0 for i in sampling),
+            needs_full_sort=any(params[i].top_p < 1 and params[i].top_k == 0 for i in truncated),
         )
 
 
-# Rows per chunk are chosen so that each [rows, V] temporary holds at most this many elements
-# (128 MiB as int64): sampling 512 rows of a 152k vocabulary must not need gigabytes of scratch.
+# Rows per chunk of the top-k / top-p thresholds are chosen so that each [rows, V] temporary holds at
+# most this many elements: truncating 512 rows of a 152k vocabulary must not need gigabytes of scratch.
 _CHUNK_ELEMENTS = 1 << 24
 
 
@@ -133,30 +139,14 @@ def sample_tokens(logits: Tensor, batch: SamplingBatch, positions: Tensor) -> Te
     the request's noise, so target-only decoding (S = 1) and a speculative round (S = B) draw the
     same token at the same position from the same logits.
     Greedy requests take the argmax. Others: logits / T, keep the top-k, keep the top-p nucleus
-    (always at least the top token), then an exponential race with the request's seeded noise.
+    (always at least the top token), then an exponential race with the request's seeded noise
+    (`dflash_serve.kernels.sample_race`: on CUDA two launches for the whole batch, greedy rows
+    included, plus the thresholds' sort or top-k when a request truncates).
     """
     if batch.all_greedy:
         return row_argmax(logits)
-    n, s, v = logits.shape
-    flat_logits = logits.reshape(n * s, v)
-    temperature, top_p, top_k, seed = batch.temperature, batch.top_p, batch.top_k, batch.seed
-    index = batch.sampled_requests
-    sampled_rows = None  # rows of flat_logits that sample; None = all of them
-    if index is not None:
-        sampled_rows = (index[:, None] * s + torch.arange(s, device=index.device)).reshape(-1)
-        positions = positions.index_select(0, index)
-        temperature, top_p, top_k, seed = (t.index_select(0, index) for t in (temperature, top_p, top_k, seed))
-    temperature, top_p, top_k = (t.repeat_interleave(s) for t in (temperature, top_p, top_k))
-    keys = _position_keys(seed, positions).reshape(-1)
-    tokens = torch.empty(keys.shape[0], dtype=torch.long, device=logits.device)
-    chunk = max(1, _CHUNK_ELEMENTS // v)
-    for start in range(0, keys.shape[0], chunk):
-        part = slice(start, start + chunk)
-        rows = flat_logits[part] if sampled_rows is None else flat_logits.index_select(0, sampled_rows[part])
-        tokens[part] = _sample_rows(rows, temperature[part], top_p[part], top_k[part], keys[part], batch)
-    if index is None:
-        return tokens.view(n, s)
-    return row_argmax(logits).index_copy_(0, index, tokens.view(-1, s))
+    threshold = _thresholds(logits, batch) if batch.truncates else None
+    return sample_race(logits, batch.temperature, batch.seed, positions, threshold)
 
 
 def accept_drafts(draft_tokens: Tensor, target_tokens: Tensor) -> Tensor:
@@ -173,19 +163,31 @@ def accept_drafts(draft_tokens: Tensor, target_tokens: Tensor) -> Tensor:
     return matches.long().cumprod(dim=1).sum(dim=1)
 
 
-def _sample_rows(
-    logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, keys: Tensor, batch: SamplingBatch
-) -> Tensor:
-    """[R, V] logits of sampling rows -> [R] tokens."""
-    scores = logits / temperature[:, None]  # float32: the [R, 1] float32 divisor promotes bf16 rows
-    if batch.any_top_k or batch.any_top_p:
-        threshold = _truncation_threshold(scores, top_p, top_k, batch)
-        scores.masked_fill_(scores < threshold[:, None], -math.inf)
-    # Exponential race: argmax_v p_v / E_v with E_v ~ Exp(1) picks v with probability p_v. In log
-    # space that is argmax(scores - log E): no softmax needed (normalising shifts every score of
-    # the row alike), and tokens with tiny probabilities do not underflow to 0.
-    scores -= _log_exponentials(keys, scores.shape[1])
-    return row_argmax(scores)
+def _thresholds(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """[N, S] the smallest score logits / T each row keeps after top-k and top-p (-inf where a row
+    keeps everything: requests that do not truncate, greedy ones included)."""
+    n, s, v = logits.shape
+    flat_logits = logits.reshape(n * s, v)
+    temperature, top_p, top_k = batch.temperature, batch.top_p, batch.top_k
+    index = batch.truncated_requests
+    rows = None  # rows of flat_logits that truncate; None = all of them
+    if index is not None:
+        rows = (index[:, None] * s + torch.arange(s, device=index.device)).reshape(-1)
+        temperature, top_p, top_k = (t.index_select(0, index) for t in (temperature, top_p, top_k))
+    temperature, top_p, top_k = (t.repeat_interleave(s) for t in (temperature, top_p, top_k))
+    thresholds = torch.empty(temperature.shape[0], dtype=torch.float32, device=logits.device)
+    chunk = max(1, _CHUNK_ELEMENTS // v)
+    for start in range(0, thresholds.shape[0], chunk):
+        part = slice(start, start + chunk)
+        part_logits = flat_logits[part] if rows is None else flat_logits.index_select(0, rows[part])
+        # float32: the [R, 1] float32 divisor promotes bf16 rows; the race divides alike (correctly
+        # rounded), so it compares the very values the threshold was taken from.
+        scores = part_logits / temperature[part, None]
+        thresholds[part] = _truncation_threshold(scores, top_p[part], top_k[part], batch)
+    if rows is None:
+        return thresholds.view(n, s)
+    every_row = torch.full((n * s,), -math.inf, dtype=torch.float32, device=logits.device)
+    return every_row.index_copy_(0, rows, thresholds).view(n, s)
 
 
 def _truncation_threshold(scores: Tensor, top_p: Tensor, top_k: Tensor, batch: SamplingBatch) -> Tensor:
@@ -212,48 +214,3 @@ def _truncation_threshold(scores: Tensor, top_p: Tensor, top_k: Tensor, batch: S
         keep = torch.where(top_p < 1, keep_p.minimum(keep_k), keep_k)
     threshold = ordered.gather(1, (keep.clamp(max=ordered.shape[1]) - 1)[:, None]).squeeze(1)
     return torch.where(keep < v, threshold, -math.inf)
-
-
-# --- counter-based noise -------------------------------------------------------------------------
-# uint32 values in int64 lanes, masked after every multiply: nothing relies on integer overflow, so
-# CPU and CUDA give bit-identical draws.
-
-_MASK32 = 0xFFFFFFFF
-_GOLDEN32 = 0x9E3779B9
-
-
-def _mix32_(h: Tensor) -> Tensor:
-    """A bijection of [0, 2^32) with full avalanche, in place: xorshift-multiply with constants
-    [16 604baa5d 15 43d6ce97 15] from hash-prospector (lower bias than MurmurHash3's finaliser).
-    Both multipliers are < 2^31, so h * c < 2^63 never overflows int64."""
-    h ^= h >> 16
-    h *= 0x604BAA5D
-    h &= _MASK32
-    h ^= h >> 15
-    h *= 0x43D6CE97
-    h &= _MASK32
-    h ^= h >> 15
-    return h
-
-
-def _position_keys(seed: Tensor, positions: Tensor) -> Tensor:
-    """seed [N] int64, positions [N, S] -> one 32-bit key per (request, position).
-    For a fixed seed, distinct positions get distinct keys."""
-    key = _mix32_((seed & _MASK32) ^ _GOLDEN32)
-    key = _mix32_(key ^ ((seed >> 32) & _MASK32))
-    return _mix32_(key[:, None] ^ (positions & _MASK32))
-
-
-@functools.lru_cache(maxsize=8)
-def _vocab_codes(vocab_size: int, device: torch.device) -> Tensor:
-    """[V] distinct pseudo-random 32-bit codes of the vocabulary indices (a Weyl step, then mixed)."""
-    return _mix32_(torch.arange(vocab_size, dtype=torch.long, device=device) * _GOLDEN32 & _MASK32)
-
-
-def _log_exponentials(keys: Tensor, vocab_size: int) -> Tensor:
-    """[R] keys -> [R, V] float32 log E, E = -log u, u uniform in (0, 1) from hash(key, v)."""
-    h = _mix32_(_vocab_codes(vocab_size, keys.device)[None, :] ^ keys[:, None])
-    # 23 bits: (k + 0.5) / 2^23 is exact in float32 and lies in [2^-24, 1 - 2^-24], so u is never
-    # 0 or 1 (E never 0 or inf).
-    h >>= 9
-    return h.float().add_(0.5).mul_(2.0**-23).log_().neg_().log_()

@@ -741,6 +741,111 @@ def test_row_argmax_triton_is_torch_argmax(dtype, shape):
     assert torch.equal(got.cpu(), expected)
 
 
+# -- sampling (the seeded exponential race) -------------------------------------------------------
+
+SAMPLE_SHAPES = [(1, 1, 7), (3, 2, 4097), (2, 4, 1000), (4, 1, 9000)]  # N, S, V: V past a chunk, partial chunks
+
+
+def race_inputs(n, s, v, dtype, *, greedy_rows, threshold, seed=0):
+    """Random logits (with -inf entries and a tied maximum), temperatures (0 = greedy) and seeds
+    over the whole int64 range, positions given as an expanded (stride-0) view, and thresholds at
+    each row's 20th largest score (some rows -inf: no truncation)."""
+    g = torch.Generator().manual_seed(seed + n * 1000 + s * 100 + v)
+    logits = torch.randn(n, s, v, generator=g) * 3
+    logits[..., v // 3] = -math.inf
+    logits[0, 0, [0, v - 1]] = 20.0  # a tie: a greedy row takes index 0
+    logits = logits.to(dtype)
+    temperature = torch.rand(n, generator=g) * 1.5 + 0.2
+    if greedy_rows:
+        temperature[::2] = 0
+    seed_ = torch.randint(-(2**63), 2**63 - 1, (n,), generator=g)
+    positions = torch.randint(0, 2**40, (n, 1), generator=g).expand(n, s) + torch.arange(s)
+    thresholds = None
+    if threshold:
+        scores = logits.float() / torch.where(temperature == 0, 1, temperature)[:, None, None]
+        thresholds = scores.topk(min(20, v), dim=-1).values[..., -1]
+        thresholds[:, ::2] = -math.inf
+    return logits, temperature, seed_, positions, thresholds
+
+
+@runs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SAMPLE_SHAPES)
+@pytest.mark.parametrize("greedy_rows,threshold", [(False, False), (True, False), (True, True)])
+def test_sample_race_triton_matches_reference(dtype, shape, greedy_rows, threshold):
+    """Token for token. bfloat16 runs under the interpreter too: the kernel only converts it."""
+    from dflash_serve.kernels.sampling import sample_race_reference, sample_race_triton
+
+    inputs = race_inputs(*shape, dtype, greedy_rows=greedy_rows, threshold=threshold)
+    expected = sample_race_reference(*[t.to(DEVICE) if t is not None else None for t in inputs])
+    got = sample_race_triton(*[t.to(DEVICE) if t is not None else None for t in inputs])
+    assert got.shape == shape[:2] and got.dtype == torch.long
+    assert torch.equal(got.cpu(), expected.cpu())
+    temperature, thresholds = inputs[1], inputs[4]
+    if greedy_rows:
+        assert got[0, 0] == 0  # the first of the tied maxima
+        assert torch.equal(got[temperature == 0].cpu(), inputs[0][temperature == 0].argmax(-1))
+    if threshold:  # the truncated rows drew among their 20 largest scores
+        scores = inputs[0].float() / torch.where(temperature == 0, 1, temperature)[:, None, None]
+        drawn = scores.gather(-1, got.cpu()[..., None])[..., 0]
+        sampled = (temperature[:, None] > 0) & torch.isfinite(thresholds)
+        assert (drawn[sampled] >= thresholds[sampled]).all()
+
+
+@runs_triton
+def test_sample_race_triton_noise_is_the_reference_hash():
+    """The kernel's hash equals the reference's bit for bit (uint32 arithmetic); its float32
+    log(-log u) equals torch's on CUDA, and within a few ulps under the interpreter (numpy's log)."""
+    from dflash_serve.kernels.sampling import log_exponentials, noise_hash, noise_triton, position_keys
+
+    seed = torch.tensor([0, -1, 2**63 - 1, -(2**63), 0x1234_5678_9ABC_DEF0], device=DEVICE)
+    positions = torch.tensor([[0, 1, 2**32 + 1], [5, 2**31, 2**40]], device=DEVICE).repeat(3, 1)[:5]
+    vocab = 2500 if not ON_CUDA else 151_936
+    h, log_e = noise_triton(seed, positions, vocab)
+    keys = position_keys(seed, positions).reshape(-1)
+    assert torch.equal(h.view(-1, vocab), noise_hash(keys, vocab))
+    expected = log_exponentials(keys, vocab)
+    if ON_CUDA:
+        assert torch.equal(log_e.view(-1, vocab), expected)
+    else:
+        torch.testing.assert_close(log_e.view(-1, vocab), expected, rtol=1e-6, atol=1e-6)
+
+
+@runs_triton
+def test_sample_tokens_triton_path_matches_the_torch_path(monkeypatch):
+    """`sample_tokens` on a mixed batch (greedy, plain, top-p alone, top-k + top-p) with the kernel,
+    against the same call with the race's reference."""
+    from dflash_serve.kernels.sampling import sample_race_reference
+    from dflash_serve.services.engine import sampling
+    from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, sample_tokens
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(5, 3, 3001, generator=g) * 2).to(DEVICE)
+    params = [SamplingParams(temperature=0.9, top_p=0.8, seed=1), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.2, seed=-5), SamplingParams(temperature=0.7, top_k=30, top_p=0.9),
+              SamplingParams(temperature=0, top_k=3)]
+    batch = SamplingBatch.build(params, [p.seed or 0 for p in params], DEVICE)
+    positions = torch.arange(15, device=DEVICE).view(5, 3) + 100
+    got = sample_tokens(logits, batch, positions)
+    monkeypatch.setattr(sampling, "sample_race", sample_race_reference)
+    assert torch.equal(got, sample_tokens(logits, batch, positions))
+
+
+def test_sample_race_dispatch(monkeypatch):
+    import dflash_serve.kernels.sampling as module
+
+    calls = []
+    monkeypatch.setattr(module, "sample_race_triton", lambda *args: calls.append("triton"))
+    monkeypatch.setattr(module, "sample_race_reference", lambda *args: calls.append("reference"))
+    x, t, seed, positions = torch.randn(1, 1, 8), torch.ones(1), torch.zeros(1, dtype=torch.long), torch.zeros(1, 1)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    module.sample_race(x, t, seed, positions)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    module.sample_race(x, t, seed, positions)
+    module.sample_race(x.double(), t, seed, positions)
+    assert calls == ["reference", "triton" if TRITON_AVAILABLE else "reference", "reference"]
+
+
 # -- skinny linear --------------------------------------------------------------------------------
 
 SKINNY_CASES = [  # rows, N, K, bias, (block_n, block_k)

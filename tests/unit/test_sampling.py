@@ -9,6 +9,8 @@ import random
 import pytest
 import torch
 
+from dflash_serve.kernels import sampling as race
+from dflash_serve.kernels.sampling import mix32_
 from dflash_serve.services.engine import sampling
 from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, accept_drafts, resolve_seed, sample_tokens
 
@@ -123,7 +125,8 @@ def test_draw_ignores_the_global_rng_and_row_chunking(monkeypatch):
     first = sample(logits, params, positions)
     torch.manual_seed(2)
     torch.rand(100)
-    monkeypatch.setattr(sampling, "_CHUNK_ELEMENTS", 2 * 1000)  # two rows per chunk
+    monkeypatch.setattr(sampling, "_CHUNK_ELEMENTS", 2 * 1000)  # two rows per chunk of the thresholds
+    monkeypatch.setattr(race, "CHUNK_ELEMENTS", 3 * 1000)  # and three of the race's reference
     assert torch.equal(sample(logits, params, positions), first)
 
 
@@ -146,7 +149,7 @@ def test_hash_is_murmur_style_mixing_without_overflow():
         return x ^ (x >> 15)
 
     values = [0, 1, 2, 0x7FFFFFFF, 0x80000000, 0xDEADBEEF, 0xFFFFFFFF]
-    assert sampling._mix32_(torch.tensor(values)).tolist() == [reference(x) for x in values]
+    assert mix32_(torch.tensor(values)).tolist() == [reference(x) for x in values]
 
 
 # --- the sampled distribution --------------------------------------------------------------------
