@@ -48,6 +48,9 @@ BAD_REQUESTS = [
         messages=[generation_pb2.ChatMessage(role="wizard", content="x")])),
 ]
 EXPECTED = {"greedy": {"OK"}, "cancelled": {"CANCELLED", "OK"}, "bad_input": {"INVALID_ARGUMENT"}}
+# What a starting server answers: the proxy before the application is deployed, the router before
+# its verifier replica runs.
+STARTING_UP = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
 # Replica processes of the server (Ray titles its actor processes ray::<class>).
 SERVER_PROCESS_TITLES = ("ray::ServeReplica:", "ray::DrafterActor")
 
@@ -150,9 +153,10 @@ class Soak:
         return self.report
 
     def wait_until_ready(self, timeout_s: float) -> None:
-        """A server just started takes requests before its verifier replica runs (the router then
-        answers UNAVAILABLE): the soak starts once a greedy request succeeds."""
-        give_up = time.monotonic() + timeout_s
+        """A server just started takes connections before it serves: Serve's proxy answers
+        NOT_FOUND until the application is deployed, and the router UNAVAILABLE until its verifier
+        replica runs. The soak starts once a greedy request succeeds."""
+        start = time.monotonic()
         request = generation_pb2.GenerateRequest(prompt=next(iter(self.reference.outputs)),
                                                  sampling=generation_pb2.SamplingParams(temperature=0.0, max_tokens=1))
         while True:
@@ -160,8 +164,9 @@ class Soak:
                 list(self.stub.Generate(request, timeout=self.timeout_s))
                 return
             except grpc.RpcError as err:
-                if err.code() is not grpc.StatusCode.UNAVAILABLE or time.monotonic() > give_up:
-                    raise RuntimeError(f"the server is not ready after {timeout_s:.0f} s: {err.code().name} "
+                waited = time.monotonic() - start
+                if err.code() not in STARTING_UP or waited > timeout_s:
+                    raise RuntimeError(f"the server is not ready after {waited:.0f} s: {err.code().name} "
                                        f"{err.details()}") from err
             time.sleep(1.0)
 
