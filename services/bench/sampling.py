@@ -22,25 +22,11 @@ import sys
 import torch
 
 from dflash_serve.kernels import row_argmax, sample_race_reference
+from dflash_serve.services.bench.timing import cuda_ms_per_call
 from dflash_serve.services.engine import sampling
 from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, sample_tokens
 
 TOP_P_ROWS = (16, 512)
-
-
-def eager_time_us(call, iters: int) -> float:
-    """µs per call launched back to back from Python: what a step pays when the host is the limit
-    (each call's launches, allocations and Python included)."""
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        call()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
 
 
 def graph_time_us(call, iters: int) -> float | None:
@@ -99,7 +85,7 @@ def measure(rows: int, vocab: int, top_p: float, iters: int) -> dict:
            "mismatches": int((kernel() != reference()).sum())}
     for name, call in (("reference", reference), ("kernel", kernel), ("argmax", argmax)):
         row[f"{name}_us"] = graph_time_us(call, iters)
-        row[f"{name}_eager_us"] = eager_time_us(call, iters)
+        row[f"{name}_eager_us"] = 1e3 * cuda_ms_per_call(call, iters)
     return row
 
 

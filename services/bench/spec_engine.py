@@ -28,6 +28,7 @@ import time
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from dflash_serve.services.bench.timing import cuda_ms_per_call
 from dflash_serve.services.config import SPECULATION_MODES, EngineConfig
 from dflash_serve.services.engine.loader import assemble_engine
 from dflash_serve.services.engine.sampling import SamplingParams
@@ -76,19 +77,6 @@ def copy_bandwidth(device: str) -> float:
     return 20 * 2 * src.numel() * src.element_size() / (start.elapsed_time(end) / 1e3)
 
 
-def time_replay(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
-
-
 def kernel_census(fn, top: int = 8) -> dict:
     """Kernels launched by one call of `fn` (a graph replay), their summed GPU time, and the `top`
     kernel names by time: when the sum is well under the wall time, launch gaps between many tiny
@@ -130,11 +118,11 @@ def run_case(engine, batch: int, prompt_len: int, max_tokens: int, census: bool 
         bucket = engine.graphs.load([s.bonus for s in running], [s.num_cached for s in running],
                                     [s.block_table for s in running])
         k = max(engine.graphs.k_buckets)  # the full block's verify (0 for AR)
-        forwards["verify_fwd_ms"] = time_replay(lambda: engine.graphs.verify(bucket, k))
+        forwards["verify_fwd_ms"] = cuda_ms_per_call(lambda: engine.graphs.verify(bucket, k))
         if census:  # at the run's real contexts: attention's share grows with them
             forwards["verify_census"] = kernel_census(lambda: engine.graphs.verify(bucket, k), top=12)
         if engine.graphs.proposer is not None:  # captured here (not a drafter in another process)
-            forwards["draft_fwd_ms"] = time_replay(lambda: engine.graphs.draft(bucket))
+            forwards["draft_fwd_ms"] = cuda_ms_per_call(lambda: engine.graphs.draft(bucket))
             if census:
                 forwards["draft_census"] = kernel_census(lambda: engine.graphs.draft(bucket), top=12)
     out0 = sum(len(s.output_ids) for s in engine.scheduler.running)
