@@ -42,7 +42,7 @@ class _Verify:
 
 
 @dataclass
-class _Bucket:
+class GraphBucket:
     size: int
     bonus: torch.Tensor  # [n] long
     starts: torch.Tensor  # [n] long
@@ -80,7 +80,7 @@ class RoundGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         self._offsets = torch.arange(block, device=self.device)
         self._query_start = {}
-        self._captured: dict[int, _Bucket] = {}
+        self._captured: dict[int, GraphBucket] = {}
         for size in reversed(self.buckets):  # largest first: smaller graphs reuse its memory pool
             self._captured[size] = self._capture(size)
 
@@ -88,16 +88,16 @@ class RoundGraphs:
     def max_batch(self) -> int:
         return self.buckets[-1]
 
-    def _batch(self, bucket: _Bucket, width: int) -> AttentionBatch:
+    def _batch(self, bucket: GraphBucket, width: int) -> AttentionBatch:
         """The attention metadata of `width` new tokens per sequence, computed on the GPU from the
         static buffers."""
         return AttentionBatch.for_round(bucket.block_tables, bucket.starts, width, self.kv_block_size,
                                         self._query_start[bucket.size, width])
 
-    def _draft(self, bucket: _Bucket) -> None:
+    def _draft(self, bucket: GraphBucket) -> None:
         bucket.drafts = self.proposer.propose((), bucket.bonus, bucket.starts, self._batch(bucket, self.block))
 
-    def _verify(self, bucket: _Bucket, out: _Verify) -> None:
+    def _verify(self, bucket: GraphBucket, out: _Verify) -> None:
         ids = bucket.bonus[:, None]
         if out.k:
             ids = torch.cat([ids, bucket.drafts[:, : out.k]], dim=1)
@@ -108,18 +108,18 @@ class RoundGraphs:
         out.slots = batch.slot_mapping
         out.logits, out.features = self.runner.forward(ids.flatten(), positions.flatten(), batch, rows)
 
-    def _inject(self, bucket: _Bucket, out: _Verify) -> None:
+    def _inject(self, bucket: GraphBucket, out: _Verify) -> None:
         """Every verified slot's feature row into the drafter's context, accepted or not (Engine:
         the rows past the accepted ones are overwritten by the next draft before it reads them)."""
         positions = bucket.starts[:, None] + self._offsets[: out.k + 1]
         self.proposer.inject_context(out.features, positions.flatten(), out.slots)
 
-    def _capture(self, size: int) -> _Bucket:
+    def _capture(self, size: int) -> GraphBucket:
         device = self.device
         for width in {self.block} | {k + 1 for k in self.k_buckets}:
             self._query_start[size, width] = torch.arange(0, (size + 1) * width, width, dtype=torch.int32,
                                                           device=device)
-        bucket = _Bucket(
+        bucket = GraphBucket(
             size=size,
             bonus=torch.zeros(size, dtype=torch.long, device=device),
             starts=torch.zeros(size, dtype=torch.long, device=device),
@@ -169,16 +169,16 @@ class RoundGraphs:
             return proposer is not None and proposer.drafts_in_background
         return proposer is None
 
-    def proposer_for(self, bucket: _Bucket, n: int, k: int) -> CapturedProposer:
+    def proposer_for(self, bucket: GraphBucket, n: int, k: int) -> CapturedProposer:
         """The captured drafter as the `Proposer` of a round of n sequences that verifies k drafts,
         loaded into `bucket`."""
         return CapturedProposer(self, bucket, n, k)
 
-    def bucket_for(self, n: int) -> _Bucket:
+    def bucket_for(self, n: int) -> GraphBucket:
         return self._captured[next(b for b in self.buckets if b >= n)]
 
     def load(self, bonus: list[int] | torch.Tensor, starts: list[int] | torch.Tensor,
-             tables: list[list[int]]) -> _Bucket:
+             tables: list[list[int]]) -> GraphBucket:
         """Copy one round's inputs into the smallest bucket that holds them; padding rows point
         at the scratch blocks. `bonus` and `starts` may be device tensors instead of lists: a
         chained round's, taken from the last round's results, which the host has not read."""
@@ -189,7 +189,7 @@ class RoundGraphs:
         return bucket
 
     def stage(self, tables: list[list[int]], bonus: list[int] | None = None,
-              starts: list[int] | None = None) -> _Bucket:
+              starts: list[int] | None = None) -> GraphBucket:
         """The host's half of `load`: block tables (and host bonus tokens and starts) into the
         bucket, by copies that wait for no other device work. One pinned staging buffer per
         bucket, one copy per buffer, filled through numpy views: ~20 small torch CPU ops cost
@@ -212,29 +212,29 @@ class RoundGraphs:
         bucket.staged.record()
         return bucket
 
-    def load_inputs(self, bucket: _Bucket, bonus: torch.Tensor, starts: torch.Tensor) -> None:
+    def load_inputs(self, bucket: GraphBucket, bonus: torch.Tensor, starts: torch.Tensor) -> None:
         """Bonus tokens and starts from device tensors into a bucket `stage` filled."""
         n = bonus.shape[0]
         bucket.bonus[:n].copy_(bonus)
         bucket.starts[:n].copy_(starts)
 
-    def load_drafts(self, bucket: _Bucket, drafts: torch.Tensor) -> torch.Tensor:
+    def load_drafts(self, bucket: GraphBucket, drafts: torch.Tensor) -> torch.Tensor:
         """Copy a round's drafts ([n, block-1] on the device, from another process; after `load`
         of the same round) in; returns the live rows."""
         n = drafts.shape[0]
         bucket.drafts[:n].copy_(drafts)
         return bucket.drafts[:n]
 
-    def draft(self, bucket: _Bucket) -> None:
+    def draft(self, bucket: GraphBucket) -> None:
         bucket.draft_graph.replay()
 
-    def verify(self, bucket: _Bucket, k: int) -> _Verify:
+    def verify(self, bucket: GraphBucket, k: int) -> _Verify:
         """Replay the verify of k drafts per sequence; its outputs are the returned buffers."""
         out = bucket.verified[k]
         out.graph.replay()
         return out
 
-    def inject(self, bucket: _Bucket, k: int) -> None:
+    def inject(self, bucket: GraphBucket, k: int) -> None:
         bucket.verified[k].inject_graph.replay()
 
     def time_round(self, context: int, reps: int = 5) -> dict:
@@ -266,7 +266,7 @@ class CapturedProposer(Proposer):
 
     in_graphs = True
 
-    def __init__(self, graphs: RoundGraphs, bucket: _Bucket, n: int, k: int):
+    def __init__(self, graphs: RoundGraphs, bucket: GraphBucket, n: int, k: int):
         self.graphs, self.bucket, self.n, self.k = graphs, bucket, n, k
         self.block_size = graphs.block
 

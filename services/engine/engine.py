@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_serve.services.config import EngineConfig
-from dflash_serve.services.engine.cuda_graphs import RoundGraphs, _Bucket
+from dflash_serve.services.engine.cuda_graphs import GraphBucket, RoundGraphs
 from dflash_serve.services.engine.draft_runner import Proposer, ProposerLost
 from dflash_serve.services.engine.kv_cache import AttentionBatch, BlockAllocator
 from dflash_serve.services.engine.request import RequestOutput, Sequence, SequenceStatus
@@ -123,7 +123,7 @@ class _RoundInputs:
     bonus: torch.Tensor  # [n]
     starts: torch.Tensor  # [n]
     positions: torch.Tensor  # [n, k+1]: the verified tokens'
-    bucket: _Bucket | None = None
+    bucket: GraphBucket | None = None
     batch: AttentionBatch | None = None  # eager: the verify's
     draft_batch: AttentionBatch | None = None  # eager: the whole block's, for the draft
 
