@@ -99,6 +99,10 @@ class EngineConfig(_Config):
     max_tokens_limit: int = Field(32768, gt=0, description="The most tokens a request may ask for.")
     cuda_graphs: bool = Field(True, description="Capture CUDA graphs for the fixed-shape decode, verify and draft "
                               "forwards (GPU only).")
+    prefill_graph_tokens: int = Field(2048, ge=0, description="A step's prefill of at most this many prompt "
+                                      "tokens (and at most 8 prompts) replays a CUDA graph captured at start-up "
+                                      "for its size (powers of two from 16) instead of launching every kernel "
+                                      "from Python; 0: prefill always eagerly (GPU only).")
     target_impl: TargetImpl = Field("auto", description="The target's forward: fused (our layer code and kernels: "
                                     "Llama, Qwen2, Qwen3 dense), transformers (its own layer code, any causal LM), "
                                     "or auto (fused where it applies).")

@@ -44,6 +44,7 @@ from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.cuda_graphs import GraphBucket, RoundGraphs
 from dflash_serve.services.engine.draft_runner import Proposer, ProposerLost
 from dflash_serve.services.engine.kv_cache import AttentionBatch, BlockAllocator
+from dflash_serve.services.engine.prefill_graphs import PrefillChunkView, PrefillGraphs
 from dflash_serve.services.engine.request import RequestOutput, Sequence, SequenceStatus
 from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, accept_drafts, resolve_seed, sample_tokens
 from dflash_serve.services.engine.scheduler import PrefillChunk, Scheduler
@@ -175,6 +176,7 @@ class Engine:
         # last one is wasted work, so there only the tests turn it on (to run the same loop).
         self.chain_rounds = config.async_scheduling and self.device.type == "cuda"
         self.graphs: RoundGraphs | None = None  # set by the loader on CUDA
+        self.prefill_graphs: PrefillGraphs | None = None  # likewise
         self.proposer_losses = 0
         # The rounds since the owner last drained it. Bounded: the embedded API never drains it.
         self.round_log: collections.deque[RoundRecord] = collections.deque(maxlen=4096)
@@ -350,6 +352,41 @@ class Engine:
 
     def _prefill(self, chunks: list[PrefillChunk]) -> None:
         t0 = time.perf_counter()
+        # Fresh sequences whose prompt completes now sample their first token from their last row.
+        sampling = [i for i, c in enumerate(chunks) if c.completes_prefill and not c.seq.output_ids]
+        graphs, proposer = self.prefill_graphs, self.proposer
+        if graphs is not None and graphs.fits(len(chunks), sum(c.length for c in chunks), proposer):
+            views = [PrefillChunkView(c.seq.tokens[c.start : c.start + c.length], c.start, c.seq.block_table)
+                     for c in chunks]
+            out = graphs.run(views, sampling)
+            logits, features, pos_t, slots = out.logits, out.features, out.positions, out.slots
+            injected = graphs.injects_for(proposer)
+        else:
+            logits, features, pos_t, slots = self._eager_prefill(chunks, sampling)
+            injected = False
+        if proposer is not None and not injected:
+            try:
+                proposer.inject_context(features, pos_t, slots)
+            except ProposerLost as err:
+                self._lose_proposer(err)
+        for c in chunks:
+            c.seq.num_cached = c.start + c.length
+            self.scheduler.offer_committed_blocks(c.seq)
+        if sampling:
+            seqs = [chunks[i].seq for i in sampling]
+            first = sample_tokens(
+                logits[:, None], self._sampling_batch(seqs),
+                to_device([[s.num_cached] for s in seqs], torch.long, self.device),
+            )
+            now = time.monotonic()
+            for seq, token in zip(seqs, first[:, 0].tolist(), strict=True):
+                seq.first_token_time = now
+                self._commit(seq, [token])
+        self.timings.prefill += time.perf_counter() - t0
+
+    def _eager_prefill(self, chunks: list[PrefillChunk], sampling: list[int]):
+        """The target's forward over the packed chunks, launched op by op: (logits of each sampled
+        chunk's last row, features, positions, KV slots)."""
         ids, positions = [], []
         for c in chunks:
             ids.extend(c.seq.tokens[c.start : c.start + c.length])
@@ -358,33 +395,12 @@ class Engine:
             [c.seq.block_table for c in chunks], [c.start for c in chunks], [c.length for c in chunks],
             self.allocator.block_size, self.device,
         )
-        # Fresh sequences whose prompt completes now sample their first token from the last row.
-        sampling = [c for c in chunks if c.completes_prefill and not c.seq.output_ids]
-        last_rows = torch.tensor(
-            [int(batch.query_start[chunks.index(c) + 1]) - 1 for c in sampling], dtype=torch.long, device=self.device
-        )
-        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        ends = list(itertools.accumulate(c.length for c in chunks))
+        last_rows = to_device([ends[i] - 1 for i in sampling], torch.long, self.device)
+        ids_t = to_device(ids, torch.long, self.device)
+        pos_t = to_device(positions, torch.long, self.device)
         logits, features = self.runner.forward(ids_t, pos_t, batch, last_rows)
-        if self.proposer is not None:
-            try:
-                self.proposer.inject_context(features, pos_t, batch.slot_mapping)
-            except ProposerLost as err:
-                self._lose_proposer(err)
-        for c in chunks:
-            c.seq.num_cached = c.start + c.length
-            self.scheduler.offer_committed_blocks(c.seq)
-        if sampling:
-            seqs = [c.seq for c in sampling]
-            first = sample_tokens(
-                logits[:, None], self._sampling_batch(seqs),
-                torch.tensor([[s.num_cached] for s in seqs], dtype=torch.long, device=self.device),
-            )
-            now = time.monotonic()
-            for seq, token in zip(seqs, first[:, 0].tolist(), strict=True):
-                seq.first_token_time = now
-                self._commit(seq, [token])
-        self.timings.prefill += time.perf_counter() - t0
+        return logits, features, pos_t, batch.slot_mapping
 
     def _launch_round(self, seqs: list[Sequence], previous: _Round | None = None) -> _Round:
         """Queue one round for `seqs` on the device — draft, verify, sample, accept — and return

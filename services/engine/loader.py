@@ -13,6 +13,7 @@ from dflash_serve.services.engine.draft_runner import DraftRunner
 from dflash_serve.services.engine.engine import Engine
 from dflash_serve.services.engine.fused_target import FusedTargetRunner, fused_unsupported_reason
 from dflash_serve.services.engine.kv_cache import BlockAllocator, KVPool
+from dflash_serve.services.engine.prefill_graphs import CHUNK_BUCKETS, TOKEN_BUCKETS, PrefillGraphs
 from dflash_serve.services.engine.speculation import k_buckets
 from dflash_serve.services.engine.target_runner import TargetRunner
 from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel, load_drafter
@@ -155,5 +156,13 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
             external_drafts=remote_drafter is not None,
             k_buckets=k_buckets(lookahead, config.num_speculative_tokens_per_batch_size) if draft_cfg else None,
         )
+        most = min(config.prefill_graph_tokens, config.max_prefill_tokens)
+        token_buckets = tuple(b for b in TOKEN_BUCKETS if b <= most)
+        if token_buckets:
+            engine.prefill_graphs = PrefillGraphs(
+                runner, proposer, kv_block_size=config.kv_block_size, max_blocks=engine.graphs.max_blocks,
+                scratch_slot=(blocks - scratch) * config.kv_block_size, device=device, token_buckets=token_buckets,
+                chunk_buckets=tuple(b for b in CHUNK_BUCKETS if b <= config.max_num_seqs),
+            )
     engine.measure_round_costs()  # a drafter in another process: once it is attached
     return engine

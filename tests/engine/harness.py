@@ -11,6 +11,7 @@ from dflash_serve.services.engine.draft_runner import DraftRunner, Proposer
 from dflash_serve.services.engine.engine import Engine
 from dflash_serve.services.engine.kv_cache import BlockAllocator, KVPool
 from dflash_serve.services.engine.loader import target_runner
+from dflash_serve.services.engine.prefill_graphs import PrefillChunkView, PrefillGraphs
 from dflash_serve.services.engine.target_runner import TargetRunner
 from dflash_serve.services.models import DFlashDraftModel, TargetModel
 
@@ -21,11 +22,13 @@ CHAIN_ROUNDS = False  # Engine.chain_rounds: on a GPU by default, forced here to
 
 def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = None, num_blocks=256, kv_block_size=4,
                  max_num_seqs=8, max_prefill_tokens=64, eos=(), tokenizer=None, max_model_len=512,
-                 enable_prefix_caching=True, speculation="fixed", spec_table=None) -> Engine:
+                 enable_prefix_caching=True, speculation="fixed", spec_table=None,
+                 prefill_buckets: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> Engine:
     """An engine on the CPU in float32; `drafter` builds the real DraftRunner, `proposer` plugs in an oracle.
     Speculation is fixed (every draft verified) unless a test asks for the adaptive policy, whose
     costs are then measured (a real drafter) or must be set by the test (an oracle); `spec_table`:
-    EngineConfig.num_speculative_tokens_per_batch_size."""
+    EngineConfig.num_speculative_tokens_per_batch_size. `prefill_buckets` (tokens, chunks): prefill
+    through `PrefillGraphs`' padded forward (run eagerly here), the last KV block its scratch block."""
     layer_ids = drafter.config.target_layer_ids if drafter is not None else getattr(proposer, "target_layer_ids", ())
     target = TargetModel(model, layer_ids)
     t_layers, t_heads, t_dim = TargetRunner.kv_shape(target)
@@ -39,9 +42,16 @@ def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = Non
                           max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
                           enable_prefix_caching=enable_prefix_caching, speculation=speculation,
                           num_speculative_tokens_per_batch_size=spec_table or {})
-    engine = Engine(runner, proposer, BlockAllocator(num_blocks, kv_block_size), config, tokenizer=tokenizer,
+    usable = num_blocks - 1 if prefill_buckets else num_blocks
+    engine = Engine(runner, proposer, BlockAllocator(usable, kv_block_size), config, tokenizer=tokenizer,
                     eos_token_ids=eos, max_model_len=max_model_len)
     engine.chain_rounds = CHAIN_ROUNDS
+    if prefill_buckets:
+        engine.prefill_graphs = PrefillGraphs(
+            runner, proposer if drafter is not None else None, kv_block_size=kv_block_size,
+            max_blocks=-(-(max_model_len + 64) // kv_block_size), scratch_slot=usable * kv_block_size,
+            device=torch.device("cpu"), token_buckets=prefill_buckets[0], chunk_buckets=prefill_buckets[1],
+            capture=False)
     if drafter is not None:
         engine.measure_round_costs()
     return engine
@@ -70,6 +80,39 @@ def assert_draft_context_is_committed_rows(runner: DraftRunner, seq, kv_block_si
         torch.testing.assert_close(cached_k, k[0].transpose(0, 1), rtol=1e-4, atol=1e-4)
         cached_v = runner.pool.v[layer].view(-1, *runner.pool.v.shape[-2:])[slots]
         torch.testing.assert_close(cached_v, v[0].transpose(0, 1), rtol=1e-4, atol=1e-4)
+
+
+def _slot_rows(pool: KVPool, slots: torch.Tensor) -> list[torch.Tensor]:
+    return [cache.view(-1, *cache.shape[-2:])[slots].clone() for layers in (pool.k, pool.v) for cache in layers]
+
+
+def _zero_slots(pool: KVPool, slots: torch.Tensor) -> None:
+    for layers in (pool.k, pool.v):
+        for cache in layers:
+            cache.view(-1, *cache.shape[-2:])[slots] = 0
+
+
+def assert_prefill_paths_agree(engine: Engine, chunks, rtol: float) -> None:
+    """One step's prefill `chunks`, eagerly (the drafter's injection after it) and through
+    `engine.prefill_graphs`: the sampled rows' logits, the features, positions and slots, the
+    target's K/V and the drafter's context K/V are the same."""
+    graphs, proposer = engine.prefill_graphs, engine.proposer
+    assert graphs.fits(len(chunks), sum(c.length for c in chunks), proposer) and graphs.injects_for(proposer)
+    sampling = [i for i, c in enumerate(chunks) if c.completes_prefill]
+    logits, features, positions, slots = engine._eager_prefill(chunks, sampling)
+    proposer.inject_context(features, positions, slots)
+    pools = (engine.runner.pool, proposer.pool)
+    eager_kv = [rows for pool in pools for rows in _slot_rows(pool, slots)]
+    for pool in pools:
+        _zero_slots(pool, slots)
+    views = [PrefillChunkView(c.seq.tokens[c.start:c.start + c.length], c.start, c.seq.block_table) for c in chunks]
+    out = graphs.run(views, sampling)
+    torch.testing.assert_close(out.logits, logits, rtol=rtol, atol=rtol)
+    torch.testing.assert_close(out.features, features, rtol=rtol, atol=rtol)
+    assert out.positions.tolist() == positions.tolist() and out.slots.tolist() == slots.tolist()
+    graph_kv = [rows for pool in pools for rows in _slot_rows(pool, slots)]
+    for got, want in zip(graph_kv, eager_kv, strict=True):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=rtol)
 
 
 def assert_no_write_can_reach_a_shared_block(engine: Engine) -> None:

@@ -16,7 +16,7 @@ from dflash_serve.services.engine.loader import assemble_engine
 from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.models import TargetModel
 from tests.conftest import drafter_config, random_drafter
-from tests.engine.harness import hf_greedy
+from tests.engine.harness import assert_prefill_paths_agree, hf_greedy
 from tests.targets import tiny_target
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -58,6 +58,34 @@ def test_cuda_engine_equals_plain_greedy(graphs, with_drafter, target_impl, asyn
         for prompt, seq in zip(prompts, done, strict=True):
             assert seq.output_ids == hf_greedy(model, prompt, 40)
     assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+@pytest.mark.parametrize("target_impl", ["fused", "transformers"])
+def test_prefill_graph_replays_equal_the_eager_prefill(target_impl):
+    """A step's prefill replayed from its captured (tokens, chunks) bucket: the same logits,
+    features, target K/V and drafter context as the eager forward (float32), for one prompt,
+    several (padded to a bucket of chunks), and a chunk starting past a cached prefix."""
+    model = tiny_target("qwen3", layers=4, vocab=V, seed=11).float().cuda()
+    cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
+                         layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
+    drafter = random_drafter(cfg, seed=3, dtype=torch.float32).cuda()
+    engine = _engine(model, drafter, graphs=True, target_impl=target_impl)
+    assert engine.prefill_graphs is not None and engine.prefill_graphs.injects_for(engine.proposer)
+    for prompts in ([list(range(3, 40))], [[1, 2, 3], list(range(5, 75)), [7] * 9]):
+        ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=4)) for p in prompts]
+        plan = engine.scheduler.schedule()
+        assert len(plan.prefills) == len(prompts) and not plan.decodes
+        assert_prefill_paths_agree(engine, plan.prefills, rtol=1e-4)
+        for c in plan.prefills:
+            c.seq.num_cached = c.start + c.length
+            engine.scheduler.offer_committed_blocks(c.seq)
+        for rid in ids:
+            engine.cancel(rid)
+    # The first prompt again, with more: its first two blocks come from the prefix cache.
+    engine.add_request(list(range(3, 40)) + [9, 9], SamplingParams(temperature=0.0, max_tokens=4))
+    plan = engine.scheduler.schedule()
+    assert plan.prefills[0].start == 32
+    assert_prefill_paths_agree(engine, plan.prefills, rtol=1e-4)
 
 
 def test_cuda_graph_spec_sampling_reproduces_target_only():
