@@ -66,11 +66,13 @@ def prefill_ms(engine, n: int, reps: int = 15) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairings", default="ar,dflash", help="ar (target-only), dflash (the default drafter)")
+    parser.add_argument("--prefill-graph-tokens", default="0,2048", help="engine.prefill_graph_tokens values")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     out = {}
-    for drafter in (False, True):
-        for pt in (0, 2048):
+    for drafter in [p == "dflash" for p in args.pairings.split(",")]:
+        for pt in [int(t) for t in args.prefill_graph_tokens.split(",")]:
             eng, build_s = build(pt, drafter)
             key = f"{'dflash' if drafter else 'ar'}_prefill_graph_tokens={pt}"
             res = {"build_s": round(build_s, 2)}
