@@ -196,9 +196,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
 
     One program per (query tile, sequence, kv head, kv split). A query tile packs the queries of
     all `group` heads that share the kv head (rows = q_len × group), so each key tile is loaded
-    once for the whole group and the M dimension of the dots is filled even at q_len 1. With
-    splits, each program writes its split's partial output, and the last of a group's programs to
-    finish (an atomic counter per group) merges them into `out`: one launch, no merge kernel.
+    once for the whole group and the M dimension of the dots is filled even at q_len 1.
     """
     total_q, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -224,16 +222,15 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     if num_kv_splits is None:
         max_keys = block_tables.shape[1] * block_size
         num_kv_splits = choose_num_kv_splits(num_q_tiles * num_seqs * num_kv_heads, max_keys, q.device)
-    if num_kv_splits > 1:  # each split's normalised output and log2-sum-exp, merged by the group's last program
+    if num_kv_splits > 1:  # each split's normalised output and log2-sum-exp, merged by a second kernel
         partial_out = torch.empty(num_kv_splits, total_q, num_heads, head_dim, dtype=torch.float32, device=q.device)
         partial_lse = torch.empty(num_kv_splits, total_q, num_heads, dtype=torch.float32, device=q.device)
-        split_counters = _split_counters(num_q_tiles * num_seqs * num_kv_heads, q.device)
     else:  # the kernel normalises and writes `out` itself
-        partial_out = partial_lse = split_counters = out
+        partial_out = partial_lse = out
 
     _paged_attention_kernel[(num_q_tiles, num_seqs, num_kv_heads * num_kv_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start, out, partial_out, partial_lse, split_counters,
-        total_q * num_heads, num_heads, scale * math.log2(math.e), window or 0,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start, out, partial_out, partial_lse, total_q * num_heads,
+        num_heads, scale * math.log2(math.e), window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -245,33 +242,13 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
         NUM_SPLITS=num_kv_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=3 if block_d <= 128 else 2,
     )
+    if num_kv_splits > 1:
+        _merge_kv_splits_kernel[(total_q, num_heads)](
+            partial_out, partial_lse, out, total_q * num_heads, num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits,
+            BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), num_warps=4,
+        )
     return out
-
-
-# Per device, the split launches' arrival counters (one int32 per query tile, sequence and kv head),
-# all zero between launches: the last program of each group sets its counter back to 0, so no memset.
-_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
-# Replaced buffers stay allocated: a CUDA graph captured with one keeps using its address.
-_RETIRED_SPLIT_COUNTERS: list[torch.Tensor] = []
-
-
-def _split_counters(num_groups: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters, at least num_groups of them, for one split launch on device.
-
-    The device's cache grows only outside CUDA-graph capture; a capture that needs more than it
-    holds gets its own zeros, allocated (and zeroed at each replay) inside the graph.
-    """
-    counters = _SPLIT_COUNTERS.get(device)
-    if counters is not None and counters.numel() >= num_groups:
-        return counters
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(num_groups, dtype=torch.int32, device=device)
-    # Room from the start for any launch that `choose_num_kv_splits` splits (its groups are < the slots).
-    size = max(num_groups, PROGRAMS_PER_SM * _num_sms(device), 0 if counters is None else 2 * counters.numel())
-    if counters is not None:
-        _RETIRED_SPLIT_COUNTERS.append(counters)
-    _SPLIT_COUNTERS[device] = torch.zeros(size, dtype=torch.int32, device=device)
-    return _SPLIT_COUNTERS[device]
 
 
 if triton is not None:
@@ -279,7 +256,7 @@ if triton is not None:
     @triton.jit
     def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-        out_ptr, partial_out_ptr, partial_lse_ptr, split_counters_ptr, partial_rows_per_split, num_heads,
+        out_ptr, partial_out_ptr, partial_lse_ptr, partial_rows_per_split, num_heads,
         scale_log2, window,
         stride_q_token, stride_q_head,
         stride_k_block, stride_k_offset, stride_k_head,
@@ -368,43 +345,31 @@ if triton is not None:
         # Every valid row sees its own key, but not necessarily within this split (nor do padding rows).
         seen = l_i > 0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
-        if NUM_SPLITS > 1:
+        if NUM_SPLITS == 1:
+            out_offsets = token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]
+            tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+        else:
             # An empty split contributes weight 0 (lse -inf) and output 0 to the merge.
             lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-            row_in_split = token * num_heads + head
-            partial_lse_rows = partial_lse_ptr + row_in_split
-            partial_out_rows = partial_out_ptr + row_in_split * HEAD_DIM
-            split_out_offset = split * partial_rows_per_split * HEAD_DIM
-            tl.store(partial_out_rows[:, None] + split_out_offset + dims[None, :], out, mask=store_mask)
-            tl.store(partial_lse_rows + split * partial_rows_per_split, lse, mask=row_valid)
-            # The group's last program to arrive merges. Each arrival releases its partials (the
-            # barrier first orders every thread's stores before the one thread's atomic), and the
-            # last one acquires them all (the barrier after it extends that to all its threads).
-            group_index = tile + tl.num_programs(0) * (seq + tl.num_programs(1) * kv_head)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(split_counters_ptr + group_index, 1, sem="acq_rel", scope="gpu")
-            tl.debug_barrier()
-            if arrived != NUM_SPLITS - 1:
-                return
-            # weight = exp2(lse - max lse); the max is finite: some split saw the row's own key.
-            max_lse = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            for other in range(NUM_SPLITS):
-                other_lse = tl.load(partial_lse_rows + other * partial_rows_per_split, mask=row_valid,
-                                    other=float("-inf"))
-                max_lse = tl.maximum(max_lse, other_lse)
-            max_lse = tl.where(max_lse == float("-inf"), 0.0, max_lse)  # padding rows: no NaN
-            weight_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-            out = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            for other in range(NUM_SPLITS):
-                other_lse = tl.load(partial_lse_rows + other * partial_rows_per_split, mask=row_valid,
-                                    other=float("-inf"))
-                weight = tl.exp2(other_lse - max_lse)
-                other_offset = other * partial_rows_per_split * HEAD_DIM
-                other_out = tl.load(partial_out_rows[:, None] + other_offset + dims[None, :], mask=store_mask,
-                                    other=0.0)
-                out += other_out * weight[:, None]
-                weight_sum += weight
-            out = out / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
-            tl.store(split_counters_ptr + group_index, 0)  # ready for the next launch
-        out_offsets = token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]
-        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+            partial_row = split * partial_rows_per_split + token * num_heads + head
+            tl.store(partial_out_ptr + partial_row[:, None] * HEAD_DIM + dims[None, :], out, mask=store_mask)
+            tl.store(partial_lse_ptr + partial_row, lse, mask=row_valid)
+
+    @triton.jit
+    def _merge_kv_splits_kernel(
+        partial_out_ptr, partial_lse_ptr, out_ptr, partial_rows_per_split, num_heads, stride_out_token, stride_out_head,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        splits = tl.arange(0, BLOCK_SPLITS)
+        dims = tl.arange(0, BLOCK_D)
+        partial_row = splits * partial_rows_per_split + token * num_heads + head
+        lse = tl.load(partial_lse_ptr + partial_row, mask=splits < NUM_SPLITS, other=float("-inf"))
+        weight = tl.exp2(lse - tl.max(lse, 0))  # the max is finite: some split saw the query's own key
+        partial_mask = (splits < NUM_SPLITS)[:, None] & (dims < HEAD_DIM)[None, :]
+        partial_offsets = partial_row[:, None] * HEAD_DIM + dims[None, :]
+        partial = tl.load(partial_out_ptr + partial_offsets, mask=partial_mask, other=0.0)
+        out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
+        tl.store(out_ptr + token * stride_out_token + head * stride_out_head + dims, out.to(out_ptr.dtype.element_ty),
+                 mask=dims < HEAD_DIM)
