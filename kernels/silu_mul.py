@@ -82,23 +82,17 @@ if triton is not None:
     TWO_SQRT_2_OVER_PI = tl.constexpr(2.0 * math.sqrt(2.0 / math.pi))
 
     @triton.jit
-    def act_mul(gate, up, DTYPE: tl.constexpr, GELU_TANH: tl.constexpr):
-        """act(gate) · up of loaded tiles, as the reference rounds it: the activation to DTYPE, then
-        the product to DTYPE (also the prologue of `SkinnyLinear.gated`'s kernel)."""
-        gate = gate.to(tl.float32)
+    def _act_mul_kernel(x_ptr, out_ptr, x_row_stride, width, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < width
+        gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * x_row_stride + width + cols, mask=mask, other=0.0).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
         if GELU_TANH:
             inner = TWO_SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
             act = gate / (1.0 + tl.exp(-inner))
         else:
             act = gate / (1.0 + tl.exp(-gate))
-        act = act.to(DTYPE).to(tl.float32)  # the activation rounded to the dtype, as torch's is
-        return (act * up.to(tl.float32)).to(DTYPE)
-
-    @triton.jit
-    def _act_mul_kernel(x_ptr, out_ptr, x_row_stride, width, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < width
-        gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
-        up = tl.load(x_ptr + row * x_row_stride + width + cols, mask=mask, other=0.0)
-        tl.store(out_ptr + row * width + cols, act_mul(gate, up, out_ptr.dtype.element_ty, GELU_TANH), mask=mask)
+        act = act.to(dtype).to(tl.float32)  # the activation rounded to the dtype, as torch's is
+        tl.store(out_ptr + row * width + cols, (act * up).to(dtype), mask=mask)

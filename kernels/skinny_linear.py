@@ -7,10 +7,7 @@ walks K with NUM_STAGES blocks in flight; all rows of x (padded to one 16-row te
 along. Measured as fast as cuBLAS or faster at every Qwen3-8B and SmolLM2-135M shape (BENCHMARKS.md).
 
 `skinny_linear_reference` is F.linear (the CPU path and test oracle); `SkinnyLinear` holds a weight,
-its bias and its launch settings, and picks the kernel or F.linear per call. `SkinnyLinear.gated` is
-a gated MLP's down projection taking the merged gate-up output: the kernel applies act(gate) · up
-(`dflash_serve.kernels.silu_mul`'s arithmetic) as it loads its input, so the activation is no launch
-of its own.
+its bias and its launch settings, and picks the kernel or F.linear per call.
 """
 
 from __future__ import annotations
@@ -21,13 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash_serve.kernels.silu_mul import gelu_tanh_mul, silu_mul
-
 try:
     import triton
     import triton.language as tl
-
-    from dflash_serve.kernels.silu_mul import act_mul
 except ImportError:  # CPU-only installs run the reference
     triton = None
 
@@ -76,16 +69,6 @@ class SkinnyLinear:
             return out.view(*x.shape[:-1], out.shape[-1])
         return skinny_linear_reference(x, self.weight, self.bias)
 
-    def gated(self, gate_up: torch.Tensor, *, gelu_tanh: bool = False) -> torch.Tensor:
-        """self(act(gate) · up) of a merged gate-up output [..., 2K] (gate first): SiLU (Llama,
-        Qwen) or GELU-tanh (Gemma). On the kernel path the activation is applied as the input loads."""
-        rows = gate_up.reshape(-1, gate_up.shape[-1])
-        if rows.shape[0] <= MAX_ROWS and rows.stride(-1) == 1 and _runs_triton(gate_up):
-            out = skinny_linear_triton(rows, self.weight, self.bias, self.settings,
-                                       gated="gelu_tanh" if gelu_tanh else "silu")
-            return out.view(*gate_up.shape[:-1], out.shape[-1])
-        return self((gelu_tanh_mul if gelu_tanh else silu_mul)(gate_up))
-
 
 def _runs_triton(x: torch.Tensor) -> bool:
     """Half precision on CUDA (float32 would take TF32 tensor-core products); any dtype under the
@@ -95,20 +78,16 @@ def _runs_triton(x: torch.Tensor) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" or (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16))
 
 
-GATED = {None: 0, "silu": 1, "gelu_tanh": 2}
-
-
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         settings: LaunchSettings, gated: str | None = None) -> torch.Tensor:
-    """x [rows, K] @ weight.T; `gated` ("silu" or "gelu_tanh"): x is [rows, 2K], gate then up, and
-    the product's input is act(gate) · up."""
-    rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    assert rows <= MAX_ROWS and x.shape[1] == (2 * k if gated else k) and x.stride(1) == 1 and weight.stride(1) == 1
+                         settings: LaunchSettings) -> torch.Tensor:
+    rows, k = x.shape
+    n = weight.shape[0]
+    assert rows <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     _skinny_linear_kernel[(triton.cdiv(n, settings.block_n),)](
         x, weight, out if bias is None else bias, out, rows, n, k, x.stride(0), weight.stride(0),
-        HAS_BIAS=bias is not None, GATED=GATED[gated], BLOCK_M=MAX_ROWS, BLOCK_N=settings.block_n,
-        BLOCK_K=settings.block_k, num_warps=settings.num_warps, num_stages=settings.num_stages,
+        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=settings.block_n, BLOCK_K=settings.block_k,
+        num_warps=settings.num_warps, num_stages=settings.num_stages,
     )
     return out
 
@@ -117,19 +96,16 @@ if triton is not None:
 
     @triton.jit
     def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
-                              HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
         rows = tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + ks
-            x_mask = (rows[:, None] < M) & (kk[None, :] < K)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=x_mask, other=0.0)
-            if GATED:  # x is the gate; the up half of the row is K columns on (act(0) · 0 pads with 0)
-                up = tl.load(x_ptr + rows[:, None] * stride_xm + K + kk[None, :], mask=x_mask, other=0.0)
-                x = act_mul(x, up, out_ptr.dtype.element_ty, GATED == 2)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :],
+                        mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
             w = tl.load(w_ptr + cols[None, :] * stride_wn + kk[:, None],
                         mask=(cols[None, :] < N) & (kk[:, None] < K), other=0.0)
             acc += tl.dot(x, w)

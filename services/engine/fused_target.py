@@ -1,14 +1,11 @@
 """The target's forward for Llama, Qwen2, Qwen3 and Gemma-3/4 dense models, written out with fused kernels.
 
 Same contract as `TargetRunner.forward` (packed tokens on the paged KV cache -> logits of chosen
-rows and the drafter's features), from the same HF checkpoint, but each decoder layer is eight or
-nine launches instead of ~35:
+rows and the drafter's features), from the same HF checkpoint, but each decoder layer is nine
+launches instead of ~35:
 
     add+RMSNorm → QKV GEMM → q/k-norm+RoPE+KV write → paged attention → O GEMM
     → add+RMSNorm → gate-up GEMM → SiLU·mul → down GEMM
-
-where SiLU·mul is no launch of its own for at most 16 rows (decode, a batch-1 verify, the draft):
-the down GEMM applies it as it loads the gate-up output (`SkinnyLinear.gated`).
 
 Gemma's layers norm each sublayer's output before its residual add ("sandwich" norms):
 
@@ -18,7 +15,7 @@ Gemma's layers norm each sublayer's output before its residual add ("sandwich" n
 so the fused add there is norm → add → norm in one launch (`add_rms_norm(x_norm_weight=…)`), the
 norms scale in float32 and cast last (Gemma-3's `1 + w` folded into a float32 weight at load), the
 MLP is GELU-tanh·mul, and sliding-window and global layers each rotate with their own RoPE table.
-The layer's count of launches is the same.
+The layer count of launches is the same nine.
 
 q/k/v and gate/up are each one GEMM over weights concatenated at load; a GEMM of at most 16 rows
 (decode, a batch-1 verify, the draft) is one launch of `dflash_serve.kernels.SkinnyLinear`'s kernel, where
@@ -34,12 +31,13 @@ LongRoPE), partial rotary, attention logit softcapping, and the Gemma-4 features
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from dflash_serve.kernels import SkinnyLinear, add_rms_norm, paged_attention, rms_norm, rope_kv_write
+from dflash_serve.kernels import SkinnyLinear, add_rms_norm, gelu_tanh_mul, paged_attention, rms_norm, rope_kv_write, silu_mul
 from dflash_serve.services.engine.kv_cache import AttentionBatch, KVPool
 from dflash_serve.services.models.target import TargetModel
 
@@ -245,6 +243,9 @@ class FusedStack:
     eps: float
     gemma: bool = False
 
+    def __post_init__(self):
+        self.activation: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_mul if self.gemma else silu_mul
+
     def forward(self, hidden: torch.Tensor, rope_index: torch.Tensor, cos: torch.Tensor | None,
                 sin: torch.Tensor | None, batch: AttentionBatch, on_residual=None) -> torch.Tensor:
         """Packed rows [T, H] -> final-normed hidden states [T, H]. Row t is rotated by
@@ -302,7 +303,7 @@ class FusedStack:
         return layer.o(attn.view(attn.shape[0], -1))
 
     def _mlp(self, layer: FusedLayer, x: torch.Tensor) -> torch.Tensor:
-        return layer.down.gated(layer.gate_up(x), gelu_tanh=self.gemma)
+        return layer.down(self.activation(layer.gate_up(x)))
 
 
 class FusedTargetRunner:

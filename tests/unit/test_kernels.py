@@ -883,53 +883,6 @@ def test_skinny_linear_triton_matches_f_linear(dtype, rows, n, k, bias, settings
             assert relative_error(static_out, reference(x)) < TOLERANCE[dtype]
 
 
-@runs_triton
-@pytest.mark.parametrize("dtype", TRITON_DTYPES)
-@pytest.mark.parametrize("rows,n,k,bias,settings", SKINNY_CASES)
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_skinny_linear_gated_triton_matches_act_mul_then_f_linear(dtype, rows, n, k, bias, settings, activation):
-    """`gated` over a merged gate-up output: act(gate) · up rounded as the reference rounds it, then
-    the product, equal to F.linear of that in float64 (and from a CUDA graph on CUDA)."""
-    from dflash_serve.kernels.skinny_linear import LaunchSettings, SkinnyLinear
-
-    act_mul = getattr(importlib.import_module("dflash_serve.kernels.silu_mul"), f"{activation}_mul_reference")
-    g = torch.Generator().manual_seed(rows * n + k + 1)
-    weight = torch.randn(n, k, generator=g).to(dtype).to(DEVICE)
-    b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
-    layer = SkinnyLinear(weight, b, LaunchSettings(*settings))
-
-    def reference(gate_up):
-        x = act_mul(gate_up.cpu()).double()
-        return torch.nn.functional.linear(x, weight.double().cpu(), None if b is None else b.double().cpu())
-
-    gate_up = (3 * torch.randn(rows, 2 * k, generator=g)).to(dtype).to(DEVICE)
-    out = layer.gated(gate_up, gelu_tanh=activation == "gelu_tanh")
-    assert out.shape == (rows, n) and out.dtype == dtype
-    assert relative_error(out, reference(gate_up)) < TOLERANCE[dtype]
-    if ON_CUDA:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = layer.gated(gate_up, gelu_tanh=activation == "gelu_tanh")
-        gate_up.copy_((3 * torch.randn(rows, 2 * k, generator=g)).to(dtype))
-        graph.replay()
-        assert relative_error(static_out, reference(gate_up)) < TOLERANCE[dtype]
-
-
-def test_skinny_linear_gated_off_the_kernel_path_is_act_mul_then_linear(monkeypatch):
-    """Without the kernel (float32, or a CPU tensor without the interpreter; more than MAX_ROWS
-    rows): exactly the activation kernel's output through the layer."""
-    from dflash_serve.kernels import skinny_linear as module
-    from dflash_serve.kernels.silu_mul import gelu_tanh_mul, silu_mul
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    g = torch.Generator().manual_seed(1)
-    layer = module.SkinnyLinear(torch.randn(8, 32, generator=g).to(DEVICE), None)
-    for rows in (3, module.MAX_ROWS + 1):
-        gate_up = torch.randn(rows, 64, generator=g).to(DEVICE)
-        assert torch.equal(layer.gated(gate_up), layer(silu_mul(gate_up)))
-        assert torch.equal(layer.gated(gate_up, gelu_tanh=True), layer(gelu_tanh_mul(gate_up)))
-
-
 def test_skinny_linear_takes_f_linear_off_the_kernel_path(monkeypatch):
     """More than MAX_ROWS rows, a strided input, float32 on CUDA (TF32 products), a CPU tensor
     without the interpreter: exactly F.linear."""
