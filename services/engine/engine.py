@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 # Where every sequence sits when round costs are measured: attention's share of a verify grows
 # with the context; this is a short chat's.
 COST_CONTEXT = 256
+# The largest batch whose eager rounds are timed at start-up (a CPU takes seconds per full batch).
+MAX_TIMED_BATCH = 32
 
 
 @dataclass
@@ -650,9 +652,11 @@ class Engine:
         through those two alone misjudged a full batch both ways for the default pair (16
         sequences: the draft 56 ms predicted, 111 measured; an AR step 160 predicted, 108
         measured), and the policy speculated where AR was faster. Measuring the full batch costs
-        a few seconds of start-up on a CPU (4.6 s in all at max_num_seqs 32, the default pair)."""
+        a few seconds of start-up on a CPU (4.6 s in all at max_num_seqs 32, the default pair), so
+        the largest size timed is at most MAX_TIMED_BATCH; larger batches extrapolate from it."""
         block, page, device = self.block_size, self.allocator.block_size, self.device
-        sizes = sorted({min(n, self.config.max_num_seqs) for n in (1, 4, self.config.max_num_seqs)})
+        largest = min(self.config.max_num_seqs, MAX_TIMED_BATCH)
+        sizes = sorted({min(n, largest) for n in (1, 4, largest)})
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         table: list[int] = []
         self.allocator.grow(table, context + block)

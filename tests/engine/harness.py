@@ -33,7 +33,8 @@ def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = Non
     target = TargetModel(model, layer_ids)
     t_layers, t_heads, t_dim = TargetRunner.kv_shape(target)
     pool = KVPool.allocate(t_layers, num_blocks, kv_block_size, t_heads, t_dim, model.dtype, "cpu")
-    runner = target_runner(TARGET_IMPL, target, pool, max_positions=max_model_len + 64)
+    max_positions = max_model_len + 64
+    runner = target_runner(TARGET_IMPL, target, pool, max_positions=max_positions)
     if drafter is not None:
         d_layers, d_heads, d_dim = DraftRunner.kv_shape(drafter.config)
         pool = KVPool.allocate(d_layers, num_blocks, kv_block_size, d_heads, d_dim, drafter.dtype, "cpu")
@@ -49,7 +50,7 @@ def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = Non
     if prefill_buckets:
         engine.prefill_graphs = PrefillGraphs(
             runner, proposer if drafter is not None else None, kv_block_size=kv_block_size,
-            max_blocks=-(-(max_model_len + 64) // kv_block_size), scratch_slot=usable * kv_block_size,
+            max_blocks=-(-max_positions // kv_block_size), scratch_slot=usable * kv_block_size,
             device=torch.device("cpu"), token_buckets=prefill_buckets[0], chunk_buckets=prefill_buckets[1],
             capture=False)
     if drafter is not None:
