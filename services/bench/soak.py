@@ -14,6 +14,7 @@ mismatch or failure.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -66,6 +67,7 @@ class SoakReport:
     mismatches: int = 0
     mismatch_examples: list[dict] = field(default_factory=list)
     rss_mb: dict | None = None
+    complete: bool = False  # false in the progress reports: the soak is still running
 
     @property
     def ok(self) -> bool:
@@ -75,7 +77,7 @@ class SoakReport:
         return {"streams": self.streams, "duration_s": round(self.duration_s, 1), "requests": dict(self.requests),
                 "outcomes": dict(self.outcomes), "failures": dict(self.failures), "greedy_tokens": self.greedy_tokens,
                 "mismatches": self.mismatches, "mismatch_examples": self.mismatch_examples, "rss_mb": self.rss_mb,
-                "ok": self.ok}
+                "complete": self.complete, "ok": self.ok}
 
 
 class TargetOnlyReference:
@@ -87,10 +89,18 @@ class TargetOnlyReference:
         from dflash_serve.services.engine.loader import build_engine
         from dflash_serve.services.engine.sampling import SamplingParams
 
-        engine = build_engine(EngineConfig(target=target, drafter=None, device=device, dtype=dtype))
+        # The reference shares its GPU with the server under test: a small KV pool, freed after use.
+        engine = build_engine(EngineConfig(target=target, drafter=None, device=device, dtype=dtype,
+                                           kv_memory_fraction=0.1))
         encoded = [engine.tokenizer.encode(p) for p in prompts]
         outputs = engine.generate(encoded, SamplingParams(temperature=0.0, max_tokens=max_tokens))
         self.outputs = {prompt: list(out.output_ids) for prompt, out in zip(prompts, outputs)}
+        del engine
+        if device.startswith("cuda"):
+            import torch
+
+            gc.collect()  # the engine's graphs and pools hold cycles
+            torch.cuda.empty_cache()
 
     def expected(self, prompt: str, max_tokens: int) -> list[int]:
         return self.outputs[prompt][:max_tokens]
@@ -150,6 +160,7 @@ class Soak:
                                   "growth": round(sum(rss_end.values()) - sum(rss_start.values()), 1),
                                   "processes": {k: round(v, 1) for k, v in rss_end.items()},
                                   "replaced": sorted(set(rss_start) ^ set(rss_end))}
+        self.report.complete = True
         return self.report
 
     def wait_until_ready(self, timeout_s: float) -> None:

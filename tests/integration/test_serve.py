@@ -316,6 +316,7 @@ def test_a_bounded_soak_is_lossless_and_leaks_nothing(app, model_pair):
                   max_tokens=24, cancel_fraction=0.2, bad_fraction=0.1)
     assert report.mismatches == 0, report.mismatch_examples
     assert not report.failures, report.to_dict()
+    assert report.complete
     assert report.requests["greedy"] >= 20 and report.requests["cancelled"] and report.requests["bad_input"]
     assert report.outcomes["INVALID_ARGUMENT"] == report.requests["bad_input"]
     assert report.rss_mb is not None and report.rss_mb["replaced"] == [], report.rss_mb  # the replicas run here

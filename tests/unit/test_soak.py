@@ -60,3 +60,23 @@ def test_the_readiness_wait_gives_up_after_its_timeout(monkeypatch):
     monkeypatch.setattr(soak.time, "monotonic", lambda: next(clock))
     with pytest.raises(RuntimeError, match="not ready after 2 s: UNAVAILABLE"):
         _soak(_Stub([grpc.StatusCode.UNAVAILABLE] * 2)).wait_until_ready(timeout_s=1)
+
+
+class _EchoStub:
+    """Streams the reference's tokens for `hello`, cut to the request's max_tokens."""
+
+    def Generate(self, request, timeout):  # noqa: N802 - the gRPC method's name
+        return iter([soak.generation_pb2.GenerateResponse(
+            token_ids=_Reference.outputs["hello"][:request.sampling.max_tokens])])
+
+
+def test_progress_reports_say_incomplete_and_the_final_one_complete():
+    """A report written while the soak runs (its --out every minute) must not read as a finished run."""
+    reference = _Reference()
+    reference.expected = lambda prompt, max_tokens: reference.outputs[prompt][:max_tokens]
+    runner = soak.Soak(_EchoStub(), reference, streams=2, max_tokens=3, cancel_fraction=0, bad_fraction=0, seed=0,
+                       timeout_s=5)
+    seen = []
+    report = runner.run(1.2, progress=lambda r: seen.append(r.to_dict()), progress_every_s=0.5)
+    assert seen and all(not r["complete"] for r in seen)
+    assert report.to_dict()["complete"] and report.ok and report.requests["greedy"] > 0
