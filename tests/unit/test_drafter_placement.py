@@ -5,6 +5,7 @@ verifier's KV sizing. The cross-GPU data path itself runs in tests/gpu/test_own_
 from __future__ import annotations
 
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -161,3 +162,24 @@ def test_the_verifier_counts_the_drafters_kv_only_when_it_shares_the_gpu(kv_here
     draft_block = loader.KVPool.bytes_per_block(d_layers, 16, d_heads, d_dim, torch.float32)
     assert sized == [target_block + draft_block if kv_here else target_block]
 
+
+
+@pytest.mark.parametrize(("raw", "machine_gpus", "lent"), [
+    ({"engine": {"target": "t", "drafter": "d"}}, 0, 0),
+    (CUDA_PAIR, 1, 1),
+    ({**CUDA_PAIR, "drafter_placement": "own_gpu"}, 2, 2),
+    ({**CUDA_PAIR, "drafter_placement": "own_gpu", "verifier_num_gpus": 0.5}, 4, 2),
+    ({**CUDA_PAIR, "drafter_placement": "own_gpu"}, 1,
+     "a verifier replica takes 2 GPUs (verifier_num_gpus=1.0 plus 1 for its drafter (drafter_placement=own_gpu)), "
+     "but this machine has 1"),
+])
+def test_dflash_serve_lends_ray_one_replicas_gpus_with_its_drafters(raw, machine_gpus, lent, monkeypatch):
+    from dflash_serve.services.cli import _local_gpus
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: machine_gpus)
+    config = ServeConfig.from_dict(raw)
+    if isinstance(lent, str):
+        with pytest.raises(ValueError, match=re.escape(lent)):
+            _local_gpus(config)
+    else:
+        assert _local_gpus(config) == lent
