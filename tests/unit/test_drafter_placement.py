@@ -61,19 +61,21 @@ def test_on_cpu_neither_bundle_holds_a_gpu():
         [{"CPU": VERIFIER_CPUS}, {"CPU": DRAFTER_CPUS}], "STRICT_PACK")
 
 
-@pytest.mark.parametrize(("verifier_ids", "own_ids", "visible", "device"), [
-    (["3"], [], "3", "cuda:0"),  # shared: the verifier's GPU alone
-    (["3"], ["5"], "3,5", "cuda:1"),  # own_gpu: the verifier's cuda:0 is cuda:0 here too
-    (["6", "2"], ["0"], "6,2,0", "cuda:2"),  # a verifier of two GPUs keeps its order
-    ([1], [0], "1,0", "cuda:1"),  # ray.get_gpu_ids() may give ints
+@pytest.mark.parametrize(("verifier_ids", "own_ids", "verifier_device", "visible", "device"), [
+    (["3"], [], "cuda", "3", "cuda"),  # shared: the verifier's GPU alone, computing where it does
+    (["6", "2"], [], "cuda:1", "6,2", "cuda:1"),
+    (["3"], ["5"], "cuda", "3,5", "cuda:1"),  # own_gpu: the verifier's cuda:0 is cuda:0 here too
+    (["6", "2"], ["0"], "cuda:1", "6,2,0", "cuda:2"),  # a verifier of two GPUs keeps its order
+    ([1], [0], "cuda", "1,0", "cuda:1"),  # ray.get_gpu_ids() may give ints
 ])
-def test_the_drafter_sees_the_verifiers_gpus_first_and_computes_on_its_own(verifier_ids, own_ids, visible, device):
-    assert cuda_visibility(verifier_ids, own_ids) == (visible, device)
+def test_the_drafter_sees_the_verifiers_gpus_first_and_computes_on_its_own(verifier_ids, own_ids, verifier_device,
+                                                                           visible, device):
+    assert cuda_visibility(verifier_ids, own_ids, verifier_device) == (visible, device)
 
 
 def test_a_drafter_on_cuda_needs_a_verifier_gpu():
     with pytest.raises(ValueError, match="verifier_num_gpus > 0"):
-        cuda_visibility([], ["1"])
+        cuda_visibility([], ["1"], "cuda")
 
 
 def test_the_actor_sets_its_visibility_before_cuda_starts(monkeypatch):
