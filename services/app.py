@@ -185,9 +185,11 @@ def build_app(config: ServeConfig):
         max_ongoing_requests=config.max_pending + CONTROL_HEADROOM,
         ray_actor_options={"num_cpus": VERIFIER_CPUS, "num_gpus": config.gpus_per_verifier},
     )
-    if split:  # bundle 0: the verifier replica; bundle 1: its drafter actor (on the verifier's GPU)
+    if split:
+        # Bundle 0: the verifier replica; bundle 1: its drafter actor, with a GPU of its own or
+        # none (it computes on the verifier's). STRICT_PACK: one node, which CUDA IPC needs.
         verifier_options["placement_group_bundles"] = [
-            _bundle(VERIFIER_CPUS, config.gpus_per_verifier), _bundle(DRAFTER_CPUS, 0),
+            _bundle(VERIFIER_CPUS, config.gpus_per_verifier), _bundle(DRAFTER_CPUS, config.gpus_per_drafter),
         ]
         verifier_options["placement_group_strategy"] = "STRICT_PACK"
     verifier = serve.deployment(VerifierDeployment, **verifier_options).bind(config.to_dict())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -169,11 +170,24 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig.load(flags=flags, defaults=defaults)
 
 
+def _local_gpus(config: ServeConfig) -> int:
+    """The GPUs `dflash serve` lends Ray on this machine: one verifier replica's, with its
+    drafter's own (drafter_placement own_gpu)."""
+    wanted = math.ceil(config.gpus_per_verifier + config.gpus_per_drafter)
+    have = torch.cuda.device_count() if wanted else 0
+    if wanted > have:
+        own = " plus 1 for its drafter (drafter_placement=own_gpu)" if config.gpus_per_drafter else ""
+        raise ValueError(f"a verifier replica takes {wanted} GPUs (verifier_num_gpus={config.verifier_num_gpus}{own}), "
+                         f"but this machine has {have}")
+    return wanted
+
+
 def _serve(args: argparse.Namespace) -> int:
     from dflash_serve.services.models.default_pair import DefaultPairError
 
     try:
         config = _serve_config(args)
+        num_gpus = _local_gpus(config)
     except (ValueError, TypeError, DefaultPairError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -183,7 +197,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     from dflash_serve.services.app import GRPC_SERVICER_FUNCTIONS, build_app
 
-    num_gpus = 1 if config.engine.device.startswith("cuda") else 0
     ray.init(include_dashboard=False, num_gpus=num_gpus or None, _metrics_export_port=config.metrics_port)
     serve.start(http_options=HTTPOptions(host=args.http_host, port=config.http_port),
                 grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))

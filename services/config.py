@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 TargetImpl = Literal["auto", "fused", "transformers"]
 Topology = Literal["split", "colocated"]
 Speculation = Literal["adaptive", "fixed"]
+DrafterPlacement = Literal["shared", "own_gpu"]
 TARGET_IMPLS = typing.get_args(TargetImpl)
 TOPOLOGIES = typing.get_args(Topology)
 SPECULATION_MODES = typing.get_args(Speculation)
@@ -209,8 +210,14 @@ class ServeConfig(_Config):
                              "before RESOURCE_EXHAUSTED.")
     default_max_tokens: int = Field(256, gt=0, description="Tokens generated for a request that does not say.")
     verifier_num_gpus: float = Field(1.0, ge=0, description="GPUs per verifier replica when engine.device is cuda "
-                                     "(none on CPU). Its drafter runs on the same GPU: features reach it by CUDA "
-                                     "IPC, which needs one device seen by both processes.")
+                                     "(none on CPU). With drafter_placement shared its drafter runs on the same GPU.")
+    drafter_placement: DrafterPlacement = Field("shared", description="Where a split verifier's drafter computes. "
+                                                "shared: on the verifier's GPU. own_gpu: on a GPU of its own, one "
+                                                "more per replica; it maps the verifier's buffers by CUDA IPC and "
+                                                "copies each step's feature rows GPU to GPU, so both GPUs must be on "
+                                                "one node (Ray places the pair with a STRICT_PACK placement group, "
+                                                "and waits while no node has both free). Needs topology split, a "
+                                                "drafter and engine.device cuda.")
 
     @model_validator(mode="after")
     def _consistent(self) -> ServeConfig:
@@ -218,6 +225,15 @@ class ServeConfig(_Config):
             raise ValueError(f"engine.device={self.engine.device} needs verifier_num_gpus > 0")
         if self.topology == "split" and not self.engine.drafter:
             raise ValueError("topology=split needs engine.drafter (or use topology=colocated for target-only)")
+        if self.drafter_placement == "own_gpu":
+            needs = [(self.topology == "split", f"topology=split (not {self.topology}: a colocated engine has no "
+                      "drafter actor to place)"),
+                     (bool(self.engine.drafter), "engine.drafter (target-only decoding has no drafter)"),
+                     (self.engine.device.startswith("cuda"), f"engine.device=cuda (not {self.engine.device})")]
+            missing = [need for met, need in needs if not met]
+            if missing:
+                raise ValueError(f"drafter_placement=own_gpu needs {' and '.join(missing)}; or use "
+                                 "drafter_placement=shared")
         for low, high in (("num_replicas", "max_replicas"), ("router_replicas", "router_max_replicas")):
             if getattr(self, high) and getattr(self, high) < getattr(self, low):
                 raise ValueError(f"{high}={getattr(self, high)} is below {low}={getattr(self, low)}: "
@@ -227,6 +243,12 @@ class ServeConfig(_Config):
     @property
     def gpus_per_verifier(self) -> float:
         return self.verifier_num_gpus if self.engine.device.startswith("cuda") else 0.0
+
+    @property
+    def gpus_per_drafter(self) -> float:
+        """GPUs Ray gives a split verifier's drafter actor: a whole one with own_gpu (validation
+        ensured CUDA), else none (it computes on its verifier's)."""
+        return 1.0 if self.drafter_placement == "own_gpu" else 0.0
 
     @property
     def model_name(self) -> str:

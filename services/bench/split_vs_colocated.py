@@ -37,14 +37,16 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def start_drafter_actor(drafter_dir: str):
-    """The drafter actor exactly as a verifier replica spawns it: no GPU of its own, this GPU visible."""
+    """The drafter actor as a verifier replica spawns it with drafter_placement shared: no GPU of
+    its own, this process's GPU visible (this process stands for the verifier)."""
     import ray
 
-    from dflash_serve.services.drafter.actor import DrafterActor
+    from dflash_serve.services.drafter.actor import RAY_NOSET_CUDA_VISIBLE_DEVICES, DrafterActor
 
-    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "0")
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")
     actor = ray.remote(DrafterActor).options(
-        num_cpus=0.5, runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": gpus}}).remote(drafter_dir, "cuda", "bfloat16")
+        num_cpus=0.5, runtime_env={"env_vars": {RAY_NOSET_CUDA_VISIBLE_DEVICES: "1"}}).remote(
+        drafter_dir, "cuda", "bfloat16", verifier_gpu_ids=gpus)
     return actor, ray.get(actor.address.remote(), timeout=600)
 
 

@@ -65,7 +65,13 @@ class SharedTargetHead:
 
 
 class DrafterSession:
-    """What one Hello set up: mapped buffers, this verifier's KV pool, the runner."""
+    """What one Hello set up: mapped buffers, this verifier's KV pool, the runner.
+
+    The mapped buffers live on the verifier's device (`home`); the drafter computes on its own
+    (`compute`): the same device, or another GPU of the node (drafter_placement own_gpu). What a
+    step reads is copied home -> compute, its drafts compute -> home (GPU to GPU; `.to` and
+    `copy_` do nothing more when the two are one device), and `drafts_done` is recorded on home,
+    the only device the verifier sees."""
 
     def __init__(self, drafter: DFlashDraftModel, hello: drafter_pb2.Hello):
         cfg = drafter.config
@@ -77,18 +83,24 @@ class DrafterSession:
             if desc.buffer_id not in opened:
                 opened[desc.buffer_id] = open_shared(desc)
         self._opened = list(opened.values())
-        self.features, embedding, lm_head, self.chained_inputs, self.drafts = (opened[d.buffer_id].tensor for d in buffers)
-        self.writes_done = OpenedWritesDone(hello.writes_done_event, drafter.device)
-        self.drafts_done = WritesDone(drafter.device)
+        self.features, _, _, self.chained_inputs, self.drafts = (opened[d.buffer_id].tensor for d in buffers)
+        self.home, self.compute = self.features.device, drafter.device
+        # The target's weights are read by every draft: copied to the compute device once (a tied
+        # pair stays one tensor), rather than read across devices every step.
+        weights = {buffer_id: opened[buffer_id].tensor.to(self.compute)
+                   for buffer_id in {hello.embedding.buffer_id, hello.lm_head.buffer_id}}
+        embedding, lm_head = weights[hello.embedding.buffer_id], weights[hello.lm_head.buffer_id]
+        self.writes_done = OpenedWritesDone(hello.writes_done_event, self.home)
+        self.drafts_done = WritesDone(self.home)
         head = SharedTargetHead(embedding, lm_head, hello.embedding_scale, hello.final_logit_softcapping)
         if not 0 <= cfg.mask_token_id < embedding.shape[0]:
             raise ValueError(f"mask_token_id={cfg.mask_token_id} is not a row of the target embedding ({embedding.shape[0]})")
         layers, heads, dim = DraftRunner.kv_shape(drafter.config)
-        pool = KVPool.allocate(layers, hello.num_kv_blocks, hello.kv_block_size, heads, dim, drafter.dtype, drafter.device)
+        pool = KVPool.allocate(layers, hello.num_kv_blocks, hello.kv_block_size, heads, dim, drafter.dtype, self.compute)
         self.kv_block_size = hello.kv_block_size
         self.runner = DraftRunner(drafter, head, pool)
         self.graphs = self.injection = None
-        if hello.graph_batch_sizes and drafter.device.type == "cuda":
+        if hello.graph_batch_sizes and self.compute.type == "cuda":
             # At batch 1 an eager draft forward spends most of its time launching kernels.
             self.graphs = RoundGraphs(None, self.runner, block=cfg.block_size, kv_block_size=hello.kv_block_size,
                                       max_blocks=hello.max_blocks_per_sequence,
@@ -104,7 +116,7 @@ class DrafterSession:
         self.steps = 0
 
     def step(self, req: drafter_pb2.StepRequest) -> drafter_pb2.StepResult:
-        n, device = len(req.request_ids), self.runner.drafter.device
+        n, device = len(req.request_ids), self.compute
         # Host work first, while the verifier's device may still be writing what this step reads:
         # afterwards only the copies out of the shared buffers and the replays are left to launch.
         injection = bucket = None
@@ -129,6 +141,8 @@ class DrafterSession:
                 torch.cuda.current_stream(device).synchronize()
         if n:  # the verifier reuses ring rows and inputs only once these drafts are done
             self.live.update(req.request_ids)
+            # Across devices torch orders this copy after the draft on compute, and home's current
+            # stream, where drafts_done is recorded, after the copy.
             self.drafts[:n].copy_(self._draft(req, bucket))
             self.drafts_done.record()
         result = drafter_pb2.StepResult(protocol_version=PROTOCOL, step=req.step, num_sequences=n)
@@ -139,9 +153,9 @@ class DrafterSession:
 
     def _draft(self, req: drafter_pb2.StepRequest, bucket) -> torch.Tensor:
         """The block's drafts; `bucket`: the draft graph's, staged by `step` (None: eagerly)."""
-        n, device = len(req.request_ids), self.runner.drafter.device
+        n, device = len(req.request_ids), self.compute
         if req.chained:  # the verifier's device wrote them (done: `step` waited for it)
-            bonus, starts = self.chained_inputs[0, :n], self.chained_inputs[1, :n]
+            bonus, starts = self.chained_inputs[:, :n].to(device)
         else:
             bonus, starts = list(req.bonus_tokens), list(req.starts)
         if bucket is not None:
@@ -182,6 +196,10 @@ class DrafterServer:
         self._thread.start()
 
     def serve_forever(self) -> None:
+        if self.drafter.device.type == "cuda":
+            # This thread's kernels launch on the current device, Triton's included, and a drafter
+            # on its own GPU sees the verifier's first.
+            torch.cuda.set_device(self.drafter.device)
         while True:
             channel = self.listener.accept(timeout=None)
             try:
@@ -239,24 +257,30 @@ class DrafterServer:
         }
 
 
-def _serve_child(drafter_path: str, device: str, dtype: str, conn) -> None:
+def _serve_child(drafter_path: str, device: str, dtype: str, visible_devices: str | None, conn) -> None:
+    import os
+
     from dflash_serve.services.engine.loader import resolve_dtype
 
+    if visible_devices is not None:  # before CUDA starts in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     server = DrafterServer.load(drafter_path, device=device, dtype=resolve_dtype(dtype, torch.device(device)))
     conn.send(server.address)
     conn.close()
     server.serve_forever()
 
 
-def spawn_drafter_process(drafter_path: str, *, device: str, dtype: str = "auto"):
+def spawn_drafter_process(drafter_path: str, *, device: str, dtype: str = "auto", visible_devices: str | None = None):
     """A drafter server in a child process of its own, without Ray (CUDA IPC handles cannot be
     opened by the process that made them, so a drafter on a thread would not do): for tests and
-    benchmarks. Returns the process (terminate it when done) and its address."""
+    benchmarks. `visible_devices`: the child's CUDA_VISIBLE_DEVICES (None: this process's), with
+    the verifier's GPU first (`drafter.actor.cuda_visibility`). Returns the process (terminate it
+    when done) and its address."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=_serve_child, args=(drafter_path, device, dtype, child), daemon=True)
+    process = ctx.Process(target=_serve_child, args=(drafter_path, device, dtype, visible_devices, child), daemon=True)
     process.start()
     if not parent.poll(600):
         process.terminate()

@@ -112,19 +112,21 @@ def build_engine(config: EngineConfig) -> Engine:
 
 def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDraftModel | None, *, tokenizer=None,
                     eos_token_ids: set[int] | frozenset[int] = frozenset(),
-                    remote_drafter: DFlashDraftConfig | None = None) -> Engine:
+                    remote_drafter: DFlashDraftConfig | None = None, remote_drafter_kv_here: bool = True) -> Engine:
     """An engine around models already in memory: KV pools sized to the device, CUDA graphs.
 
-    `remote_drafter`: the config of a drafter that another process on this GPU will serve (it is
-    attached later): its KV pool, the same number of blocks, is counted in the sizing, and the
-    verify graphs take its drafts from the host."""
+    `remote_drafter`: the config of a drafter that another process will serve (it is attached
+    later); the verify graphs take its drafts from the host. Its KV pool, the same number of
+    blocks, is counted in the sizing when it lives on this GPU (`remote_drafter_kv_here`), not
+    when the drafter has a GPU of its own."""
     device, dtype = target.device, target.dtype
     t_layers, t_heads, t_dim = TargetRunner.kv_shape(target)
     per_block = KVPool.bytes_per_block(t_layers, config.kv_block_size, t_heads, t_dim, dtype)
     draft_cfg = drafter.config if drafter is not None else remote_drafter
     if draft_cfg is not None:
         d_layers, d_heads, d_dim = DraftRunner.kv_shape(draft_cfg)
-        per_block += KVPool.bytes_per_block(d_layers, config.kv_block_size, d_heads, d_dim, dtype)
+        if drafter is not None or remote_drafter_kv_here:
+            per_block += KVPool.bytes_per_block(d_layers, config.kv_block_size, d_heads, d_dim, dtype)
     blocks = num_kv_blocks(config, device, per_block)
     log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", blocks, config.kv_block_size, blocks * per_block / 2**30)
 

@@ -294,10 +294,17 @@ class WritesDone:
     writes and before the frame that names them. The peer waits for it on its host
     (`OpenedWritesDone.wait`), not on a stream: should this process die first, a peer stream
     waiting on its event would stay blocked for good. On CPU a write is done when it returns,
-    so there is nothing to record or wait for (`handle` is empty)."""
+    so there is nothing to record or wait for (`handle` is empty).
+
+    The event belongs to `device` and is recorded on that device's current stream, whichever
+    device this thread is on (a drafter on its own GPU signals writes into its verifier's memory)."""
 
     def __init__(self, device: torch.device):
-        self.event = torch.cuda.Event(interprocess=True) if device.type == "cuda" else None
+        self.device = torch.device(device)
+        self.event = None
+        if self.device.type == "cuda":
+            self.event = torch.cuda.Event(interprocess=True)
+            self.event.record(torch.cuda.current_stream(self.device))  # creates it on `device`; nothing to wait for
 
     @property
     def handle(self) -> bytes:
@@ -305,7 +312,7 @@ class WritesDone:
 
     def record(self) -> None:
         if self.event is not None:
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(self.device))
 
 
 class OpenedWritesDone:

@@ -33,25 +33,41 @@ GAUGE_PERIOD_S = 1.0  # gauges are set again this often (Ray exports what was re
 
 def spawn_drafter_actor(config: ServeConfig) -> tuple:
     """The drafter actor, in bundle 1 of this replica's placement group (same node), on this
-    replica's GPU; Ray restarts it if it dies."""
+    replica's GPU or (drafter_placement own_gpu) on one of its own; Ray restarts it if it dies."""
     import ray
     from ray.util import get_current_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from dflash_serve.services.drafter.actor import DrafterActor
+    from dflash_serve.services.drafter.actor import RAY_NOSET_CUDA_VISIBLE_DEVICES, DrafterActor
 
     pg = get_current_placement_group()
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1) if pg is not None else None
     name = f"dflash-drafter-{uuid.uuid4().hex[:8]}"
     cfg = config.engine
     options = dict(name=name, max_restarts=-1, num_cpus=DRAFTER_CPUS, scheduling_strategy=strategy)
+    verifier_gpu_ids = None
     if cfg.device.startswith("cuda"):
-        # It takes no GPU of its own (Ray then leaves CUDA_VISIBLE_DEVICES alone): it sees exactly
-        # this replica's GPU, as cuda:0 like the verifier does, so CUDA IPC handles open there.
-        gpus = ",".join(str(g) for g in ray.get_gpu_ids())
-        options["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": gpus}}
-    actor = ray.remote(DrafterActor).options(**options).remote(cfg.drafter, cfg.device, cfg.dtype, cfg.drafter_revision)
+        # The drafter sees this replica's GPUs first, as this replica does (CUDA IPC handles then
+        # open there under the same index), then its own GPU if it has one; it sets that itself,
+        # knowing its own GPU only once placed, so Ray must not set CUDA_VISIBLE_DEVICES for it.
+        options["num_gpus"] = config.gpus_per_drafter
+        options["runtime_env"] = {"env_vars": {RAY_NOSET_CUDA_VISIBLE_DEVICES: "1"}}
+        verifier_gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
+    actor = ray.remote(DrafterActor).options(**options).remote(cfg.drafter, cfg.device, cfg.dtype, cfg.drafter_revision,
+                                                               verifier_gpu_ids=verifier_gpu_ids)
     return actor, name
+
+
+def check_same_node(drafter_actor) -> None:
+    """Refuses a drafter on another node than this verifier: the buffers they share (CUDA IPC,
+    POSIX shared memory) exist on one host only."""
+    import ray
+
+    here, there = ray.get_runtime_context().get_node_id(), ray.get(drafter_actor.node_id.remote(), timeout=600)
+    if there != here:
+        raise RuntimeError(f"the drafter actor runs on node {there} and its verifier on node {here}: a verifier and "
+                           "its drafter must share a node (they share GPU and host memory); place them with one "
+                           "STRICT_PACK placement group, as build_app does")
 
 
 DRAFTER_CPUS = 0.5
@@ -84,8 +100,10 @@ class Verifier:
                                                  device=device, revision=engine_cfg.target_revision)
             tokenizer, eos = load_tokenizer(engine_cfg)
             address = ray.get(address, timeout=600)  # the drafter's weights are on the GPU: size KV after
+            check_same_node(self.drafter_actor)
             self.engine = assemble_engine(engine_cfg, target, None, tokenizer=tokenizer, eos_token_ids=eos,
-                                          remote_drafter=draft_cfg)
+                                          remote_drafter=draft_cfg,
+                                          remote_drafter_kv_here=self.config.drafter_placement == "shared")
             self.draft_block_size = draft_cfg.block_size
             self._pending_address = None  # a restarted drafter's address, while it is asked for
             self._connect_drafter(address)

@@ -364,6 +364,36 @@ def test_a_read_write_once_model_volume_on_several_gpu_pods_is_refused_saying_wh
     render({"gpuWorkers": {"replicas": 2}, "models": {"source": "hostPath", "hostPath": {"path": "/mnt/models"}}})
 
 
+@pytest.mark.parametrize(("verifier_gpus", "gpus_per_pod", "refused"), [
+    (None, 1, r"take 2 GPUs of one pod \(verifier_num_gpus plus a whole one for the drafter, on one node\), but "
+              "gpuWorkers.gpusPerPod is 1: set it to at least 2"),
+    (0.5, 1, "take 1.5 GPUs of one pod .* set it to at least 2"),
+    (2.0, 2, "take 3 GPUs of one pod .* set it to at least 3"),
+    (None, 2, None),
+    (0.5, 2, None),
+])
+def test_own_gpu_needs_a_pod_with_the_verifiers_gpus_and_one_more(verifier_gpus, gpus_per_pod, refused):
+    """The placement group of a verifier and its own-GPU drafter is STRICT_PACK: Ray would wait
+    forever for a pod that cannot hold it, so the chart refuses it at install."""
+    dflash = {"drafter_placement": "own_gpu"}
+    if verifier_gpus is not None:
+        dflash["verifier_num_gpus"] = verifier_gpus
+    values = {"dflash": dflash, "gpuWorkers": {"gpusPerPod": gpus_per_pod}}
+    if refused:
+        with pytest.raises(helm_python.HelmRenderError, match=f"dflash.drafter_placement is own_gpu: .*{refused}"):
+            render(values)
+        return
+    rendered = render(values)
+    config = ServeConfig.from_dict(rendered.dflash_config)
+    assert config.drafter_placement == "own_gpu" and rendered.app["args"]["drafter_placement"] == "own_gpu"
+    resources = rendered.worker_group["template"]["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == str(gpus_per_pod)
+
+
+def test_shared_placement_needs_no_second_gpu():
+    render({"dflash": {"drafter_placement": "shared"}, "gpuWorkers": {"gpusPerPod": 1}})
+
+
 def test_operator_pod_settings_reach_both_ray_pods():
     values = {"pods": {
         "labels": {"team": "llm"}, "annotations": {"example.com/owner": "platform"},

@@ -17,6 +17,7 @@ BAD_VALUES = [
     ({"dflash": {"engine": {"max_num_seq": 8}}}, ["/dflash/engine", "'max_num_seq' not allowed"]),
     ({"dflash": {"topology": "pipeline"}}, ["/dflash/topology", "'split', 'colocated'"]),
     ({"dflash": {"num_replicas": "two"}}, ["/dflash/num_replicas", "want integer"]),
+    ({"dflash": {"drafter_placement": "own"}}, ["/dflash/drafter_placement", "'shared', 'own_gpu'"]),
     ({"dflash": {"grpc_port": 9001}}, ["/dflash", "'grpc_port' not allowed"]),
     ({"dflash": {"engine": {"drafter_revision": 20251125}}}, ["/dflash/engine/drafter_revision", "got number, want string"]),
     ({"gpuWorkers": {"gpusPerPod": 0}}, ["/gpuWorkers/gpusPerPod", "minimum"]),
