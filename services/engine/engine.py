@@ -26,8 +26,9 @@ request, a preemption or a new drafter ends the chain: the host reads the round,
 A drafter in another process chains too: its draft request goes out first, naming bonus tokens
 that only the device knows yet, and the host commits the last round while the drafter drafts.
 
-Two groups (a drafter in another process that holds two groups' requests, chained rounds, and a
-stable batch of at least 2 × `Engine.min_group_size` sequences): the batch is split in two, and
+Two groups (a drafter in another process that holds two groups' requests, chained rounds, a
+stable batch of at least 2 × `Engine.min_group_size` sequences, and measured costs that say a
+step of two half batches is faster than one of the whole batch): the batch is split in two, and
 each group's rounds chain on their own, interleaved with the other's — the target verifies A_r,
 B_r, A_r+1, …, and right after a group's round is queued its next drafts are asked for, so the
 drafter drafts A_r+1 while the target verifies B_r. A step runs a turn of each group (`_Group`).
@@ -68,9 +69,9 @@ log = logging.getLogger(__name__)
 COST_CONTEXT = 256
 # The largest batch whose eager rounds are timed at start-up (a CPU takes seconds per full batch).
 MAX_TIMED_BATCH = 32
-# Two groups are pipelined from 2 × this many decoding sequences (`Engine.min_group_size`): a
-# group's verify must keep the target busy for about a draft's time, and a smaller batch's verify
-# costs nearly as much as a full one's (a guess: to be measured on a GPU).
+# Two groups are pipelined from 2 × this many decoding sequences (`Engine.min_group_size`), and
+# only where the measured costs say they pay (`_two_groups_pay`); below it, the host's work per
+# round would weigh on every step twice.
 MIN_GROUP_SIZE = 8
 
 
@@ -350,7 +351,22 @@ class Engine:
         """Whether to split a decoding batch into two groups in flight (see the module doc)."""
         proposer = self.proposer
         return (self.chain_rounds and proposer is not None and proposer.draft_groups == 2
-                and len(seqs) >= 2 * self.min_group_size and self._batch_stays(seqs))
+                and len(seqs) >= 2 * self.min_group_size and self._two_groups_pay(len(seqs))
+                and self._batch_stays(seqs))
+
+    def _two_groups_pay(self, n: int) -> bool:
+        """Whether the round costs (`RoundCosts`, at the deepest k) predict a step of two groups
+        faster than one: the target verifies both halves back to back and each half's draft hides
+        behind the other's verify — 2 × max(verify(n/2), draft(n/2)) — against the whole batch's
+        draft and then its verify. Two halves cost twice a forward's fixed part (reading the
+        weights), so they pay only where a verify grows with the batch and drafts are not cheap.
+        No costs (speculation fixed): one group."""
+        costs = self.speculation.costs
+        if costs is None:
+            return False
+        k, half = max(costs.ks), (n + 1) // 2
+        two = 2 * max(costs.verify_seconds(half, k), costs.draft_seconds(half))
+        return two < costs.verify_seconds(n, k) + costs.draft_seconds(n)
 
     def _groups_go_on(self) -> bool:
         """Whether both groups asked for their next round (`_ask_for_group`) and the batch is still theirs."""

@@ -1,9 +1,10 @@
 """Two groups in flight (Engine, issue 18): with a drafter in another process (a DrafterServer in
 a thread, over the real frame channel and shared memory), a batch of at least 2 × min_group_size
-decoding sequences is split in two, and the drafter drafts one group's next round while the
-target verifies the other's. Exactly lossless; the pipeline's order on both sides of the
-channel; groups re-formed when the batch changes; one group for a small batch; a lost drafter
-means target-only decoding; cancelled requests leave no KV blocks behind."""
+decoding sequences whose costs say so is split in two, and the drafter drafts one group's next
+round while the target verifies the other's. Exactly lossless; the pipeline's order on both sides
+of the channel; groups re-formed when the batch changes; one group for a small batch or where
+two would be slower; a lost drafter means target-only decoding; cancelled requests leave no KV
+blocks behind."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.speculation import RoundCosts
 from tests.conftest import drafter_config, random_drafter
 from tests.engine import harness
 from tests.engine.harness import build_engine, hf_greedy
@@ -29,6 +31,12 @@ def pair():
     return target, random_drafter(cfg, seed=8, dtype=torch.float32)
 
 
+# Round costs linear in the batch, as where a forward is compute-bound: two half batches pay.
+LINEAR = {"sizes": [1, 8], "verify": [0.1, 0.8], "draft": [0.1, 0.8]}
+# A forward costs the same at any batch, as where it is bound by reading the weights: they do not.
+FLAT = {"sizes": [1, 8], "verify": [0.5, 0.5], "draft": [0.2, 0.2]}
+
+
 class Pipeline:
     """A remote engine whose groups split from 2 × 2 sequences, with what both sides saw: the
     verifier's draft requests and receipts ("ask"/"receive", group) in order, and the drafter's
@@ -36,10 +44,13 @@ class Pipeline:
     prompt + greedy continuation, for a drafter whose drafts are those with an error planted
     (accepting 0..B-1 of them in turn); without it, the random drafter drafts."""
 
-    def __init__(self, target, drafter, references: dict[str, list[int]] | None = None, **engine_options):
+    def __init__(self, target, drafter, references: dict[str, list[int]] | None = None, costs: dict = LINEAR,
+                 **engine_options):
         self.shared = []
         self.engine, self.server, self.proposer = _remote_engine(target, drafter, self.shared, **engine_options)
         self.engine.min_group_size = 2
+        ks = self.engine.speculation.ks
+        self.engine.speculation.costs = RoundCosts(costs["sizes"], {k: costs["verify"] for k in ks}, costs["draft"])
         self.events: list[tuple[str, int]] = []
         self.frames: list[tuple[int, int, int, bool]] = []
         request, receive = self.proposer.request_drafts, self.proposer.receive_drafts
@@ -191,11 +202,13 @@ def test_admissions_and_finishes_re_form_the_groups_losslessly(pair):
     run.close()
 
 
-def test_a_small_batch_runs_one_group(pair):
+@pytest.mark.parametrize("batch", ["small", "flat costs"])
+def test_one_group_for_a_small_batch_or_where_two_would_be_slower(pair, batch):
     target, drafter = pair
-    prompts, ids = PROMPTS[:3], ["a", "b", "c"]
+    prompts = PROMPTS[:3] if batch == "small" else PROMPTS  # 3 < 2 × min_group_size
+    ids = [f"req-{i}" for i in range(len(prompts))]
     references = greedy_references(target, prompts, ids, TOKENS)
-    run = Pipeline(target, drafter, references)  # 3 < 2 × min_group_size
+    run = Pipeline(target, drafter, references, costs=LINEAR if batch == "small" else FLAT)
     done = run.engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=TOKENS))
     assert [s.output_ids for s in done] == [hf_greedy(target, p, TOKENS) for p in prompts]
     assert run.frames and {g for g, *_ in run.frames} == {0} and run.pipelined_turns() == 0
