@@ -7,7 +7,9 @@ pools). Then each StepRequest injects the new feature rows and drafts a block pe
 after the bonus tokens of the request, or, for a chained round, after those the verifier's
 device wrote into `chained_inputs` (it says when its writes are done: `OpenedWritesDone`). The
 drafts go into the verifier's shared `drafts` buffer, and the reply leaves as soon as that work
-is queued: the verifier waits for this side's `WritesDone` event, not for the frame.
+is queued: the verifier waits for this side's `WritesDone` event, not for the frame. A verifier
+with two groups of sequences in flight has a draft request of each outstanding: each group has
+its rows of those buffers and its own pair of events, so neither waits for the other's work.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from dflash_serve.services.transport import (
 )
 
 log = logging.getLogger(__name__)
-PROTOCOL = drafter_pb2.PROTOCOL_VERSION_2
+PROTOCOL = drafter_pb2.PROTOCOL_VERSION_3
 # How long a step waits for the verifier's device to finish writing what the step names.
 WRITES_DONE_TIMEOUT_SECONDS = 60.0
 
@@ -90,8 +92,10 @@ class DrafterSession:
         weights = {buffer_id: opened[buffer_id].tensor.to(self.compute)
                    for buffer_id in {hello.embedding.buffer_id, hello.lm_head.buffer_id}}
         embedding, lm_head = weights[hello.embedding.buffer_id], weights[hello.lm_head.buffer_id]
-        self.writes_done = OpenedWritesDone(hello.writes_done_event, self.home)
-        self.drafts_done = WritesDone(self.home)
+        # One pair of events per group (StepRequest.group).
+        self.writes_done = [OpenedWritesDone(event, self.home)
+                            for event in (hello.writes_done_event, hello.group1_writes_done_event)]
+        self.drafts_done = [WritesDone(self.home), WritesDone(self.home)]
         head = SharedTargetHead(embedding, lm_head, hello.embedding_scale, hello.final_logit_softcapping)
         if not 0 <= cfg.mask_token_id < embedding.shape[0]:
             raise ValueError(f"mask_token_id={cfg.mask_token_id} is not a row of the target embedding ({embedding.shape[0]})")
@@ -117,6 +121,10 @@ class DrafterSession:
 
     def step(self, req: drafter_pb2.StepRequest) -> drafter_pb2.StepResult:
         n, device = len(req.request_ids), self.compute
+        seq_rows = slice(req.first_row, req.first_row + n)  # the sequences' rows of chained_inputs and drafts
+        if req.group > 1 or seq_rows.stop > self.drafts.shape[0]:
+            raise ValueError(f"group {req.group}, rows [{seq_rows.start}, {seq_rows.stop}): the groups are 0 and 1, "
+                             f"the shared drafts buffer has {self.drafts.shape[0]} rows")
         # Host work first, while the verifier's device may still be writing what this step reads:
         # afterwards only the copies out of the shared buffers and the replays are left to launch.
         injection = bucket = None
@@ -126,7 +134,7 @@ class DrafterSession:
             tables = [list(t.blocks) for t in req.block_tables]
             bucket = (self.graphs.stage(tables) if req.chained
                       else self.graphs.stage(tables, list(req.bonus_tokens), list(req.starts)))
-        waited = self.writes_done.wait(WRITES_DONE_TIMEOUT_SECONDS)
+        waited = self.writes_done[req.group].wait(WRITES_DONE_TIMEOUT_SECONDS)
         t0 = time.perf_counter()
         if req.features.rows:
             rows = read_rows(self.features, req.features).to(device)
@@ -143,19 +151,20 @@ class DrafterSession:
             self.live.update(req.request_ids)
             # Across devices torch orders this copy after the draft on compute, and home's current
             # stream, where drafts_done is recorded, after the copy.
-            self.drafts[:n].copy_(self._draft(req, bucket))
-            self.drafts_done.record()
+            self.drafts[seq_rows].copy_(self._draft(req, seq_rows, bucket))
+            self.drafts_done[req.group].record()
         result = drafter_pb2.StepResult(protocol_version=PROTOCOL, step=req.step, num_sequences=n)
         self.steps += 1
         result.draft_seconds = time.perf_counter() - t0
         result.wait_seconds = waited
         return result
 
-    def _draft(self, req: drafter_pb2.StepRequest, bucket) -> torch.Tensor:
-        """The block's drafts; `bucket`: the draft graph's, staged by `step` (None: eagerly)."""
+    def _draft(self, req: drafter_pb2.StepRequest, seq_rows: slice, bucket) -> torch.Tensor:
+        """The block's drafts; `seq_rows`: the sequences' of chained_inputs; `bucket`: the draft
+        graph's, staged by `step` (None: eagerly)."""
         n, device = len(req.request_ids), self.compute
         if req.chained:  # the verifier's device wrote them (done: `step` waited for it)
-            bonus, starts = self.chained_inputs[:, :n].to(device)
+            bonus, starts = self.chained_inputs[:, seq_rows].to(device)
         else:
             bonus, starts = list(req.bonus_tokens), list(req.starts)
         if bucket is not None:
@@ -225,7 +234,8 @@ class DrafterServer:
         else:
             try:
                 self.session = DrafterSession(self.drafter, hello)
-                reply.drafts_done_event = self.session.drafts_done.handle
+                reply.drafts_done_event, reply.group1_drafts_done_event = (
+                    event.handle for event in self.session.drafts_done)
             except ValueError as err:
                 reply.error = str(err)
         channel.send(drafter_pb2.DrafterReply(hello=reply))

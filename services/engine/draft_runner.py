@@ -62,16 +62,23 @@ class Proposer(abc.ABC):
     """True: it runs inside the round's CUDA graphs, so its drafts already lie where the verify
     graph reads them; others' are copied there."""
 
-    @abc.abstractmethod
-    def request_drafts(self, request_ids: Sequence[str], bonus: list[int] | torch.Tensor,
-                       starts: list[int] | torch.Tensor, tables: list[list[int]], batch: AttentionBatch | None) -> None:
-        """Draft the B-1 tokens after each sequence's bonus token, which sits at position starts[i];
-        `tables`: the sequences' block tables; `batch`: the block's attention metadata on the
-        device (None where `drafts_in_background`)."""
+    draft_groups: int = 1
+    """2: it drafts in the background and holds a draft request of each of two groups of
+    sequences at once (`group` 0 and 1 of `request_drafts` and `receive_drafts`), so the engine
+    may pipeline two groups: it drafts one while the target verifies the other. 1: the engine
+    asks with group 0 only (where `drafts_in_background`) or without a group."""
 
     @abc.abstractmethod
-    def receive_drafts(self) -> torch.Tensor:
-        """The drafts asked for last, [n, B-1] on the engine's device."""
+    def request_drafts(self, request_ids: Sequence[str], bonus: list[int] | torch.Tensor,
+                       starts: list[int] | torch.Tensor, tables: list[list[int]], batch: AttentionBatch | None,
+                       group: int = 0) -> None:
+        """Draft the B-1 tokens after each sequence's bonus token, which sits at position starts[i];
+        `tables`: the sequences' block tables; `batch`: the block's attention metadata on the
+        device (None where `drafts_in_background`); `group`: see `draft_groups`."""
+
+    @abc.abstractmethod
+    def receive_drafts(self, group: int = 0) -> torch.Tensor:
+        """The drafts asked for last (for `group`), [n, B-1] on the engine's device."""
 
     @abc.abstractmethod
     def inject_context(self, features: torch.Tensor, positions: torch.Tensor | list[int],

@@ -25,6 +25,16 @@ overwrites them first), and a round for a request that ended meanwhile is droppe
 request, a preemption or a new drafter ends the chain: the host reads the round, then schedules.
 A drafter in another process chains too: its draft request goes out first, naming bonus tokens
 that only the device knows yet, and the host commits the last round while the drafter drafts.
+
+Two groups (a drafter in another process that holds two groups' requests, chained rounds, a
+stable batch of at least 2 × `Engine.min_group_size` sequences, and measured costs that say a
+step of two half batches is faster than one of the whole batch): the batch is split in two, and
+each group's rounds chain on their own, interleaved with the other's — the target verifies A_r,
+B_r, A_r+1, …, and right after a group's round is queued its next drafts are asked for, so the
+drafter drafts A_r+1 while the target verifies B_r. A step runs a turn of each group (`_Group`).
+A group's sequences stay the same while its rounds chain: a request that ends or is cancelled, one
+waiting to be admitted, a drafter lost or KV blocks running out end both groups (their rounds are
+read, drafts asked for and never verified are dropped), and the next step schedules as usual.
 """
 
 from __future__ import annotations
@@ -59,6 +69,10 @@ log = logging.getLogger(__name__)
 COST_CONTEXT = 256
 # The largest batch whose eager rounds are timed at start-up (a CPU takes seconds per full batch).
 MAX_TIMED_BATCH = 32
+# Two groups are pipelined from 2 × this many decoding sequences (`Engine.min_group_size`), and
+# only where the measured costs say they pay (`_two_groups_pay`); below it, the host's work per
+# round would weigh on every step twice.
+MIN_GROUP_SIZE = 8
 
 
 @dataclass
@@ -108,7 +122,9 @@ class _Round:
     proposer: Proposer | None  # the drafter it was launched with (None: none, or lost before its verify)
     k: int  # drafts verified per sequence (0: an AR step)
     verified: list[int]  # per sequence: min(k, its own limit), the drafts it may accept
-    drafted_in_background: bool  # by a drafter in another process (its draft time is learnt from rounds)
+    # Drafted by a drafter in another process, which the round waited for (its draft time is learnt
+    # from rounds; not a group's round, whose draft hid behind the other group's verify).
+    times_draft: bool
     results: torch.Tensor  # [n, 1+k+1] on the host: accepted drafts, then the target's token per slot
     ready: torch.cuda.Event | None  # recorded after the copy of `results` (None: nothing to wait for)
     next_bonus: torch.Tensor  # [n] on the device: where a round chained after this one starts
@@ -117,6 +133,19 @@ class _Round:
     chainable: bool  # the next round may start from this one's device results
     context: tuple | None  # (features, positions, slots) of every slot, for a drafter that takes them after acceptance
     finished: bool = False  # read and committed
+
+
+@dataclass
+class _Group:
+    """One of two groups of sequences in flight (see the module doc). A turn: launch the round
+    whose drafts the last turn asked for, read the round before it, ask for the next drafts."""
+
+    index: int  # 0 or 1: its draft requests (`Proposer.draft_groups`)
+    seqs: list[Sequence]
+    in_flight: _Round | None = None  # launched, not read
+    # Drafts the next round verifies: asked for when > 0 (0: an AR round); None: nothing was
+    # asked, the group stops (so do both, at the next step).
+    k: int | None = None
 
 
 @dataclass
@@ -173,6 +202,8 @@ class Engine:
         self._seed_rng = random.Random(0)
         self._outputs: list[RequestOutput] = []
         self._in_flight: _Round | None = None  # launched, not read: the host works while it runs
+        self._groups: list[_Group] = []  # two groups in flight, or none
+        self.min_group_size = MIN_GROUP_SIZE
         self._chained_read_at: float | None = None  # when the last round of a chain was read
         # Chain rounds (`step`). On a CPU nothing overlaps, and a chained round after a request's
         # last one is wasted work, so there only the tests turn it on (to run the same loop).
@@ -254,6 +285,13 @@ class Engine:
         """Advance every request by one round (and prefill what fits). With chained rounds the
         device runs this step's round while the host commits the last one's tokens: a step
         returns the outputs of the round before."""
+        if self._groups_go_on():
+            # A's round, then B's: the drafter drafts each group while the target verifies the other.
+            for group in self._groups:
+                self._guarded(self._group_turn, group, group.seqs)
+            outputs, self._outputs = self._outputs, []
+            return outputs
+        self._end_groups()
         previous, self._in_flight = self._in_flight, None
         if previous is not None and self._room_for_chained_round(previous):
             # Same batch as the round still on the device: start the next one from its results
@@ -278,7 +316,9 @@ class Engine:
                     chunk.seq.scheduled_time = now
             if plan.prefills:
                 self._guarded(self._prefill, plan.prefills, [c.seq for c in plan.prefills])
-            if plan.decodes:
+            if plan.decodes and self._two_groups_fit(plan.decodes):
+                self._guarded(self._start_groups, plan.decodes, plan.decodes)
+            elif plan.decodes:
                 t0 = time.perf_counter()
                 launched = self._guarded(self._launch_round, plan.decodes, plan.decodes)
                 if launched is not None and launched.chainable:
@@ -293,18 +333,99 @@ class Engine:
     def _room_for_chained_round(self, previous: _Round) -> bool:
         """Whether the next round can start before `previous` is read: the same sequences (none
         ended, none waiting to be admitted, the same drafter) and KV blocks for both rounds."""
+        return (self.proposer is previous.proposer and self._batch_stays(previous.seqs)
+                and self.scheduler.grow_for_chained_round(previous.seqs))
+
+    def _batch_stays(self, seqs: list[Sequence]) -> bool:
+        """Whether the running batch is `seqs`, in order, and nothing waits to be admitted."""
         running = self.scheduler.running
-        if self.proposer is not previous.proposer or len(running) != len(previous.seqs):
+        if len(running) != len(seqs) or any(a is not b for a, b in zip(running, seqs)):
             return False
-        if any(a is not b for a, b in zip(running, previous.seqs)):
+        return not self._admission_waits()
+
+    def _admission_waits(self) -> bool:
+        """A request waits for a free place in the batch: the batch must change (admit it first)."""
+        return bool(self.scheduler.waiting) and len(self.scheduler.running) < self.config.max_num_seqs
+
+    def _two_groups_fit(self, seqs: list[Sequence]) -> bool:
+        """Whether to split a decoding batch into two groups in flight (see the module doc)."""
+        proposer = self.proposer
+        return (self.chain_rounds and proposer is not None and proposer.draft_groups == 2
+                and len(seqs) >= 2 * self.min_group_size and self._two_groups_pay(len(seqs))
+                and self._batch_stays(seqs))
+
+    def _two_groups_pay(self, n: int) -> bool:
+        """Whether the round costs (`RoundCosts`, at the deepest k) predict a step of two groups
+        faster than one: the target verifies both halves back to back and each half's draft hides
+        behind the other's verify — 2 × max(verify(n/2), draft(n/2)) — against the whole batch's
+        draft and then its verify. Two halves cost twice a forward's fixed part (reading the
+        weights), so they pay only where a verify grows with the batch and drafts are not cheap.
+        No costs (speculation fixed): one group."""
+        costs = self.speculation.costs
+        if costs is None:
             return False
-        if self.scheduler.waiting and len(running) < self.config.max_num_seqs:
-            return False  # admit them first
-        return self.scheduler.grow_for_chained_round(running)
+        k, half = max(costs.ks), (n + 1) // 2
+        two = 2 * max(costs.verify_seconds(half, k), costs.draft_seconds(half))
+        return two < costs.verify_seconds(n, k) + costs.draft_seconds(n)
+
+    def _groups_go_on(self) -> bool:
+        """Whether both groups asked for their next round (`_ask_for_group`) and the batch is still theirs."""
+        return (bool(self._groups) and all(g.k is not None for g in self._groups)
+                and self._batch_stays([s for g in self._groups for s in g.seqs]))
+
+    def _start_groups(self, seqs: list[Sequence]) -> None:
+        """Split the batch in two and run each group's first turn; both ask for drafts first, so
+        the drafter drafts B's first round while the target verifies A's."""
+        half = (len(seqs) + 1) // 2
+        self._groups = [_Group(0, seqs[:half]), _Group(1, seqs[half:])]
+        for group in self._groups:
+            k = self.speculation.choose([s.params.num_speculative_tokens for s in group.seqs])
+            group.k = self._ask_for_drafts(group.seqs, None, [s.bonus for s in group.seqs],
+                                           [s.num_cached for s in group.seqs], k, group.index)
+        for group in self._groups:
+            self._group_turn(group)
+
+    def _group_turn(self, group: _Group) -> None:
+        """Launch the group's round with the drafts its last turn asked for, read the round
+        before it, then ask for the next round's drafts."""
+        previous = group.in_flight
+        lookahead = self.block_size  # what the new round writes, even if it loses its drafter
+        group.in_flight = self._launch_round(group.seqs, previous, group)
+        group.k = None  # taken
+        if previous is not None:
+            self._finish_round(previous, lookahead)
+        self._ask_for_group(group)
+
+    def _ask_for_group(self, group: _Group) -> None:
+        """Ask for the drafts of the group's next round, chained on the round it has in flight,
+        if the group goes on: its sequences all running, none waiting to be admitted, KV blocks
+        for two rounds ahead and a drafter. Else it stops, and its round keeps a copy of its
+        context rows for `_finish_round`: the other group's verify may replay the same graph
+        buffers before that reads them."""
+        rnd, seqs = group.in_flight, group.seqs
+        goes_on = (self.proposer is not None and all(s.status is SequenceStatus.RUNNING for s in seqs)
+                   and not self._admission_waits() and self.scheduler.grow_for_chained_round(seqs))
+        if goes_on:
+            k = self.speculation.choose([s.params.num_speculative_tokens for s in seqs])
+            k = self._ask_for_drafts(seqs, rnd, rnd.next_bonus, rnd.next_starts, k, group.index)
+            if self.proposer is not None:
+                group.k = k
+        if rnd.context is not None:
+            rnd.context = tuple(t.clone() for t in rnd.context)
+
+    def _end_groups(self) -> None:
+        """Read both groups' rounds in flight. Drafts asked for and never verified are dropped:
+        the proposer reads them before their rows are asked for again, and their KV writes, on
+        the drafter's device, come before any of a later request."""
+        groups, self._groups = self._groups, []
+        for group in groups:
+            if group.in_flight is not None:
+                self._guarded(self._finish_round, group.in_flight, group.seqs)
 
     def drain(self) -> None:
-        """Read the round still on the device, if any: before anything that changes the batch
-        or the caches outside the step loop (its outputs go out with the next step's)."""
+        """Read the rounds still on the device, if any: before anything that changes the batch
+        or the caches outside the step loop (their outputs go out with the next step's)."""
+        self._end_groups()
         previous, self._in_flight = self._in_flight, None
         if previous is not None:
             self._guarded(self._finish_round, previous, previous.seqs)
@@ -404,29 +525,49 @@ class Engine:
         logits, features = self.runner.forward(ids_t, pos_t, batch, last_rows)
         return logits, features, pos_t, batch.slot_mapping
 
-    def _launch_round(self, seqs: list[Sequence], previous: _Round | None = None) -> _Round:
+    def _ask_for_drafts(self, seqs: list[Sequence], previous: _Round | None, bonus: list[int] | torch.Tensor,
+                        starts: list[int] | torch.Tensor, k: int, group: int = 0) -> int:
+        """Before a round of `seqs` starting at `bonus`/`starts`: give a drafter that takes context
+        after acceptance the rows of `previous` (every slot: which are accepted is not known yet),
+        and ask a drafter in the background for the round's drafts, which it drafts while this
+        process works. Returns k, or 0 when there is no drafter or it was lost."""
+        proposer = self.proposer
+        if proposer is None:
+            return 0
+        try:
+            if previous is not None and proposer.context_after_accept:
+                self._send_every_slot(previous)
+            if k and proposer.drafts_in_background:
+                proposer.request_drafts([s.request_id for s in seqs], bonus, starts, [s.block_table for s in seqs],
+                                        None, group=group)
+        except ProposerLost as err:
+            self._lose_proposer(err)
+            return 0
+        return k
+
+    def _launch_round(self, seqs: list[Sequence], previous: _Round | None = None,
+                      group: _Group | None = None) -> _Round:
         """Queue one round for `seqs` on the device — draft, verify, sample, accept — and return
         it unread; `_finish_round` commits it. With `previous` (the last round, which the host has
-        not read yet) the bonus tokens and starts come from its results on the device. A drafter
-        lost on the way is dropped, and the same round goes on target-only (k = 0)."""
+        not read yet) the bonus tokens and starts come from its results on the device. A group's
+        round verifies the drafts its last turn asked for (`group.k` of them). A drafter lost on
+        the way is dropped, and the same round goes on target-only (k = 0)."""
         t0 = time.perf_counter()
-        n, proposer = len(seqs), self.proposer
-        k = self.speculation.choose([s.params.num_speculative_tokens for s in seqs]) if proposer is not None else 0
+        n = len(seqs)
         ids, tables = [s.request_id for s in seqs], [s.block_table for s in seqs]
         if previous is None:
             bonus_ids, starts = [s.bonus for s in seqs], [s.num_cached for s in seqs]
         else:
             bonus_ids, starts = previous.next_bonus, previous.next_starts
-        try:
-            if previous is not None and proposer is not None and proposer.context_after_accept:
-                self._send_every_slot(previous)  # which of its slots are accepted is not known yet: all of them
-            if k and proposer.drafts_in_background:  # first: it drafts while this process prepares the verify
-                proposer.request_drafts(ids, bonus_ids, starts, tables, None)
-        except ProposerLost as err:
-            self._lose_proposer(err)
-            proposer, k = None, 0
+        proposer = self.proposer
+        if group is not None:
+            k = group.k if proposer is not None else 0
+        else:  # a drafter in the background is asked first: it drafts while this process prepares the verify
+            k = self.speculation.choose([s.params.num_speculative_tokens for s in seqs]) if proposer is not None else 0
+            k = self._ask_for_drafts(seqs, previous, bonus_ids, starts, k)
+            proposer = self.proposer  # None if lost
         inputs = self._round_inputs(n, k, bonus_ids, starts, tables)
-        if previous is not None and proposer is not None and proposer.drafts_in_background:
+        if group is None and previous is not None and proposer is not None and proposer.drafts_in_background:
             self._finish_round(previous, self.block_size)  # the host commits the last round while the drafter drafts
         clock = _PhaseClock(self.device)
 
@@ -437,7 +578,7 @@ class Engine:
         drafts = None
         if k:
             try:
-                drafts = self._draft(drafter, ids, tables, inputs, k)
+                drafts = self._draft(drafter, ids, tables, inputs, k, 0 if group is None else group.index)
             except ProposerLost as err:
                 self._lose_proposer(err)
                 proposer, drafter, k = None, None, 0
@@ -483,7 +624,7 @@ class Engine:
         self.timings.host += time.perf_counter() - t0
         return _Round(
             seqs=seqs, proposer=proposer, k=k, verified=verified,
-            drafted_in_background=k > 0 and proposer.drafts_in_background,
+            times_draft=k > 0 and proposer.drafts_in_background and group is None,
             results=results, ready=ready, next_bonus=target_tokens.gather(1, accepted[:, None])[:, 0],
             next_starts=inputs.starts + accepted + 1, clock=clock, chainable=self.chain_rounds, context=context,
         )
@@ -513,11 +654,13 @@ class Engine:
         return _RoundInputs(bonus, starts_t, positions, bucket, batch, draft_batch)
 
     def _draft(self, drafter: Proposer, ids: list[str], tables: list[list[int]], inputs: _RoundInputs,
-               k: int) -> torch.Tensor:
+               k: int, group: int) -> torch.Tensor:
         """The first k drafts of the block [n, k], where the verify reads them."""
-        if not drafter.drafts_in_background:  # else asked before the verify was prepared
+        if drafter.drafts_in_background:  # asked before the verify was prepared
+            drafts = drafter.receive_drafts(group)
+        else:
             drafter.request_drafts(ids, inputs.bonus, inputs.starts, tables, inputs.draft_batch)
-        drafts = drafter.receive_drafts()
+            drafts = drafter.receive_drafts()
         if inputs.bucket is not None and not drafter.in_graphs:
             return self.graphs.load_drafts(inputs.bucket, drafts)[:, :k]
         if drafter.drafts_in_background:  # cloned: the buffer they arrive in is rewritten next round
@@ -588,7 +731,7 @@ class Engine:
         if rnd.proposer is not None and rnd.proposer is self.proposer:
             self.speculation.observe_round(verified, accepted)
             costs = self.speculation.costs
-            if rnd.drafted_in_background and costs is not None and not costs.measured_draft:
+            if rnd.times_draft and costs is not None and not costs.measured_draft:
                 costs.observe_draft(len(rnd.seqs), draft_s)
         self.round_log.append(RoundRecord(rnd.k, verified, accepted, draft_s, verify_s))
         tm = self.timings

@@ -228,7 +228,8 @@ class FeatureRing:
     the owner's `WritesDone` says the copy in is done), and the owner
     waits for that answer, so no locks. A writer that sends several blocks before reading the
     answers must not lap the peer: `can_write` says whether a block would overwrite unread rows,
-    `mark_read` says the peer has answered every block so far.
+    `mark_read` says the peer has answered every block so far (or every block written before
+    `written` had a given value: the peer answers steps in order).
     """
 
     def __init__(self, shared: SharedTensor):
@@ -238,7 +239,8 @@ class FeatureRing:
         self.shared = shared
         self.capacity, self.width = shared.tensor.shape
         self._next_row = 0
-        self._unread = 0  # rows from the oldest unread one up to _next_row, skipped tails included
+        self.written = 0  # rows written since the start, skipped tails included
+        self._read = 0  # of those, the rows the peer has answered for: the unread ones are one span up to _next_row
 
     def _placement(self, n: int) -> tuple[int, int]:
         """Where a block of n rows starts, and how many tail rows it skips by wrapping."""
@@ -252,11 +254,13 @@ class FeatureRing:
     def can_write(self, n: int) -> bool:
         """Whether `write` of n rows now leaves every row the peer has not read intact."""
         _, skipped = self._placement(n)
-        return not self._unread or self._unread + skipped + n <= self.capacity
+        unread = self.written - self._read
+        return not unread or unread + skipped + n <= self.capacity
 
-    def mark_read(self) -> None:
-        """The peer has answered every step whose rows were written so far."""
-        self._unread = 0
+    def mark_read(self, written: int | None = None) -> None:
+        """The peer has answered every step whose rows were written so far, or before `written`
+        (the value of `written` when the last step it answered was sent)."""
+        self._read = self.written if written is None else max(self._read, written)
 
     def write(self, rows: torch.Tensor) -> drafter_pb2.KVBlockHandle:
         """Copy rows [n, width] in and return their handle. On CUDA the copy is only queued: record
@@ -268,8 +272,11 @@ class FeatureRing:
         start, skipped = self._placement(n)
         if n:
             self.shared.tensor[start:start + n].copy_(rows)
-        # A wrap skips the tail rows; counting them as unread keeps the unread rows one span.
-        self._unread = min(self.capacity, self._unread + skipped + n if self._unread else n)
+        # A wrap skips the tail rows; counting them as unread keeps the unread rows one span
+        # (unless none are unread: then the skipped rows are read as well).
+        if self._read == self.written:
+            self._read += skipped
+        self.written += skipped + n
         self._next_row = start + n
         return drafter_pb2.KVBlockHandle(buffer_id=self.shared.buffer_id, row_offset=start, rows=n)
 

@@ -20,12 +20,19 @@ The drafts come back in the reply, not through a shared GPU buffer ordered by a 
 a stream waiting on another process's event stays blocked for good if that process dies before
 the event completes (seen on an H100: the verifier's GPU work hangs, not just one round), and a
 drafter must be free to die.
+
+Two groups of sequences may be in flight (Engine: the drafter drafts one group's next round
+while the target verifies the other's), so two draft requests may be outstanding: group 0's
+rows of `chained_inputs` and `drafts` are the first, group 1's the last (together they are at
+most max_num_seqs), each group has its own pair of events, and receiving one group's drafts
+reads the replies up to its own only.
 """
 
 from __future__ import annotations
 
 import collections
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -44,15 +51,27 @@ from dflash_serve.services.transport import (
     connect,
 )
 
-PROTOCOL = drafter_pb2.PROTOCOL_VERSION_2
+PROTOCOL = drafter_pb2.PROTOCOL_VERSION_3
+
+
+@dataclass
+class _DraftRequest:
+    """A draft request sent whose drafts are not received yet."""
+
+    rows: range  # its sequences' rows of the shared chained_inputs and drafts
+    sent_at: float
+    result: drafter_pb2.StepResult | None = None  # the reply, once read
+    replied_at: float = 0.0
+    done_at: float = 0.0  # when its drafts were done on the device
 
 
 class RemoteProposer(Proposer):
     drafts_in_background = True
     context_after_accept = True  # the rows' positions and slots travel as host values: sent once the host has them
+    draft_groups = 2
 
-    def __init__(self, channel, ring: FeatureRing, chained_inputs: torch.Tensor, writes_done: WritesDone,
-                 drafts: torch.Tensor, drafts_done: OpenedWritesDone, block_size: int, capacity_rows: int, *,
+    def __init__(self, channel, ring: FeatureRing, chained_inputs: torch.Tensor, writes_done: list[WritesDone],
+                 drafts: torch.Tensor, drafts_done: list[OpenedWritesDone], block_size: int, capacity_rows: int, *,
                  timeout: float):
         self.channel = channel
         self.ring = ring
@@ -64,11 +83,11 @@ class RemoteProposer(Proposer):
         self.capacity_rows = capacity_rows
         self.timeout = timeout
         self._step = 0
-        self._unanswered = 0  # requests sent whose replies are not read yet
+        # Per frame sent whose reply is not read yet, in order: the group whose drafts it asks for
+        # (None: an injection alone), and the ring's rows written when it left.
+        self._unanswered: collections.deque[tuple[int | None, int]] = collections.deque()
+        self._requests: dict[int, _DraftRequest] = {}  # by group: asked for, not received
         self._pending: drafter_pb2.StepRequest | None = None  # an injection not sent yet
-        self._requested = 0  # sequences in the last draft request
-        self._requested_at = 0.0
-        self._replied_at = 0.0
         self._busy_poll = BUSY_POLL_SECONDS if ring.shared.tensor.is_cuda else 0.0
         # Per draft request: time from sending it to having the reply, beyond the drafter's host
         # time on that step and its wait for this process's device: the channel, framing, earlier
@@ -94,15 +113,15 @@ class RemoteProposer(Proposer):
         chained_inputs = SharedTensor.allocate("chained_inputs", (2, max_num_seqs), torch.long, target.device)
         drafts = SharedTensor.allocate("drafts", (max_num_seqs, block_size - 1), torch.long, target.device)
         shared.extend([features, embedding, chained_inputs, drafts] + ([] if tied else [lm_head]))
-        writes_done = WritesDone(target.device)
+        writes_done = [WritesDone(target.device), WritesDone(target.device)]  # per group
         scale = getattr(target.input_embeddings, "embed_scale", 1.0)
         hello = drafter_pb2.Hello(
             protocol_version=PROTOCOL, features=features.describe(), kv_block_size=kv_block_size,
             num_kv_blocks=num_kv_blocks, block_size=block_size, embedding=embedding.describe(),
             lm_head=lm_head.describe(), embedding_scale=float(scale),
             final_logit_softcapping=float(target.final_logit_softcapping or 0.0),
-            chained_inputs=chained_inputs.describe(), writes_done_event=writes_done.handle,
-            drafts=drafts.describe(),
+            chained_inputs=chained_inputs.describe(), writes_done_event=writes_done[0].handle,
+            drafts=drafts.describe(), group1_writes_done_event=writes_done[1].handle,
         )
         if graphs is not None:
             hello.graph_batch_sizes.extend(graphs.buckets)
@@ -119,7 +138,8 @@ class RemoteProposer(Proposer):
             raise ValueError(f"the drafter refused this verifier: {reply.error}")
         for buffer in (features, embedding, lm_head, chained_inputs, drafts):
             buffer.unlink_name()  # the drafter has mapped them: no name left to leak, however we end
-        drafts_done = OpenedWritesDone(reply.drafts_done_event, target.device)
+        drafts_done = [OpenedWritesDone(event, target.device)
+                       for event in (reply.drafts_done_event, reply.group1_drafts_done_event)]
         return cls(channel, FeatureRing(features), chained_inputs.tensor, writes_done, drafts.tensor, drafts_done,
                    block_size, capacity_rows, timeout=timeout)
 
@@ -139,37 +159,44 @@ class RemoteProposer(Proposer):
         self._pending = drafter_pb2.StepRequest(features=handle, positions=as_list(positions), slots=as_list(slots))
 
     def request_drafts(self, request_ids: list[str], bonus: list[int] | torch.Tensor, starts: list[int] | torch.Tensor,
-                       tables: list[list[int]], batch: AttentionBatch | None) -> None:
-        """Ask for a block of drafts for the tokens after each bonus token; `receive_drafts` waits
-        for them. `bonus` and `starts` as device tensors (a chained round's) go through the shared
-        `chained_inputs`, copied there on the device without waiting for it. The drafter builds its
-        own attention metadata from `tables`."""
+                       tables: list[list[int]], batch: AttentionBatch | None, group: int = 0) -> None:
+        """Ask for a block of drafts for the tokens after each bonus token; `receive_drafts(group)`
+        waits for them. `bonus` and `starts` as device tensors (a chained round's) go through the
+        shared `chained_inputs`, copied there on the device without waiting for it. The drafter
+        builds its own attention metadata from `tables`."""
+        n = len(request_ids)
+        rows = range(n) if group == 0 else range(len(self.drafts) - n, len(self.drafts))
+        for other, request in list(self._requests.items()):
+            # Never received (its group stopped): the drafter must be done with those rows first.
+            if request.rows.start < rows.stop and rows.start < request.rows.stop:
+                self._await(other)
+                del self._requests[other]
         step, self._pending = self._pending or drafter_pb2.StepRequest(), None
         step.request_ids.extend(request_ids)
         if isinstance(bonus, torch.Tensor):
-            n = len(request_ids)
-            self.chained_inputs[0, :n].copy_(bonus)
-            self.chained_inputs[1, :n].copy_(starts)
+            self.chained_inputs[0, rows.start:rows.stop].copy_(bonus)
+            self.chained_inputs[1, rows.start:rows.stop].copy_(starts)
             step.chained = True
         else:
             step.bonus_tokens.extend(bonus)
             step.starts.extend(starts)
         step.block_tables.extend(drafter_pb2.BlockTable(blocks=t) for t in tables)
-        self._send(step)
-        self._requested = len(request_ids)
-        self._requested_at = time.perf_counter()
+        step.group, step.first_row = group, rows.start
+        self._send(step, group)
+        self._requests[group] = _DraftRequest(rows, time.perf_counter())
 
-    def receive_drafts(self) -> torch.Tensor:
-        """The drafts asked for last, [n, block-1] on this process's device: a view of the shared
-        buffer, which the next request's drafts overwrite (copy them out before asking again)."""
-        result = self._drain()
-        n = self._requested
+    def receive_drafts(self, group: int = 0) -> torch.Tensor:
+        """The drafts of `group`'s request, [n, block-1] on this process's device: a view of the
+        shared buffer, which the group's next request overwrites (copy them out before asking again)."""
+        request = self._await(group)
+        del self._requests[group]
+        result, n = request.result, len(request.rows)
         if result.num_sequences != n:
             raise ProposerLost(f"the drafter answered for {result.num_sequences} sequences, not {n}")
         self._transport_seconds.append(
-            self._replied_at - self._requested_at - result.draft_seconds - result.wait_seconds)
-        self.draft_seconds.append(time.perf_counter() - self._requested_at - result.wait_seconds)
-        return self.drafts[:n]
+            request.replied_at - request.sent_at - result.draft_seconds - result.wait_seconds)
+        self.draft_seconds.append(request.done_at - request.sent_at - result.wait_seconds)
+        return self.drafts[request.rows.start:request.rows.stop]
 
     def drain_transport_seconds(self) -> list[float]:
         out = list(self._transport_seconds)
@@ -189,35 +216,46 @@ class RemoteProposer(Proposer):
     def _send_pending(self) -> None:
         if self._pending is not None:
             step, self._pending = self._pending, None
-            self._send(step)
+            self._send(step, None)
 
-    def _send(self, step: drafter_pb2.StepRequest) -> None:
+    def _send(self, step: drafter_pb2.StepRequest, group: int | None) -> None:
         self._step += 1
         step.protocol_version = PROTOCOL
         step.step = self._step
-        self.writes_done.record()  # after every write this frame names: the drafter waits for it
+        self.writes_done[step.group].record()  # after every write this frame names: the drafter waits for it
         try:
             self.channel.send(drafter_pb2.DrafterRequest(step=step))
         except (ChannelClosed, OSError) as err:
             raise ProposerLost(f"drafter channel closed: {err}") from err
-        self._unanswered += 1
+        self._unanswered.append((group, self.ring.written))
 
-    def _drain(self) -> drafter_pb2.StepResult:
-        """Read every outstanding reply and wait for the drafts they announce (until then the
-        drafter may still be reading the ring and the inputs); returns the last."""
-        result, drafted = None, False
+    def _await(self, group: int) -> _DraftRequest:
+        """`group`'s request, once its reply is read and its drafts are done."""
+        request = self._requests[group]
+        while request.result is None:
+            self._read_reply()
+        return request
+
+    def _drain(self) -> None:
+        """Read every outstanding reply."""
+        while self._unanswered:
+            self._read_reply()
+
+    def _read_reply(self) -> None:
+        """Read the oldest outstanding reply and wait for the drafts it announces (until then the
+        drafter may still be reading the ring and the inputs)."""
+        group, written = self._unanswered[0]
         try:
-            while self._unanswered:
-                result = self.channel.recv(drafter_pb2.DrafterReply, timeout=self.timeout,
-                                           busy_poll=self._busy_poll).step
-                self._unanswered -= 1
-                if result.error:
-                    raise ProposerLost(f"drafter step {result.step} failed: {result.error}")
-                drafted |= result.num_sequences > 0
-            self._replied_at = time.perf_counter()
-            if drafted:
-                self.drafts_done.wait(self.timeout, owner_alive=lambda: not self.channel.peer_hung_up())
+            result = self.channel.recv(drafter_pb2.DrafterReply, timeout=self.timeout, busy_poll=self._busy_poll).step
+            self._unanswered.popleft()
+            if result.error:
+                raise ProposerLost(f"drafter step {result.step} failed: {result.error}")
+            if group is not None:
+                request = self._requests[group]
+                request.result, request.replied_at = result, time.perf_counter()
+                if result.num_sequences:
+                    self.drafts_done[group].wait(self.timeout, owner_alive=lambda: not self.channel.peer_hung_up())
+                request.done_at = time.perf_counter()
         except (ChannelClosed, OSError, TimeoutError) as err:  # OSError: ConnectionError from the wait
             raise ProposerLost(f"drafter did not answer: {err}") from err
-        self.ring.mark_read()
-        return result
+        self.ring.mark_read(written)

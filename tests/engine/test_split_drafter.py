@@ -68,8 +68,8 @@ def test_remote_drafter_matches_local_drafter_and_plain_greedy(pair, sampling):
     # Mapped by both sides, the segments' names are gone already: nothing to leak on a SIGKILL.
     assert not any(os.path.exists(f"/dev/shm/{buffer.describe().shm_name}") for buffer in shared)
     chained, request = [], proposer.request_drafts
-    proposer.request_drafts = lambda ids, bonus, *rest: (chained.append(isinstance(bonus, torch.Tensor)),
-                                                         request(ids, bonus, *rest))
+    proposer.request_drafts = lambda ids, bonus, *rest, **group: (chained.append(isinstance(bonus, torch.Tensor)),
+                                                                  request(ids, bonus, *rest, **group))
     remote = engine.generate(prompts, params)
     # Chained rounds name their bonus tokens from the last round's results, unread by the host.
     assert any(chained) == harness.CHAIN_ROUNDS and not all(chained)
@@ -118,7 +118,7 @@ def test_a_verifier_speaking_another_protocol_version_is_refused_with_the_reason
     channel = connect(server.address, timeout=10)
     channel.send(drafter_pb2.DrafterRequest(hello=drafter_pb2.Hello(protocol_version=drafter_pb2.PROTOCOL_VERSION_1)))
     reply = channel.recv(drafter_pb2.DrafterReply, timeout=10).hello
-    assert reply.error == "protocol version 1 is not supported; this drafter speaks 2"
+    assert reply.error == "protocol version 1 is not supported; this drafter speaks 3"
     channel.close()
 
 

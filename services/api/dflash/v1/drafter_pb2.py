@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x66lash/v1/drafter.proto\x12\tdflash.v1\"\xa2\x01\n\x0cSharedBuffer\x12\x11\n\tbuffer_id\x18\x01 \x01(\t\x12\x12\n\x08shm_name\x18\x02 \x01(\tH\x00\x12\x19\n\x0f\x63uda_ipc_handle\x18\x03 \x01(\x0cH\x00\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x04\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\x05\x42\n\n\x08location\"D\n\rKVBlockHandle\x12\x11\n\tbuffer_id\x18\x01 \x01(\t\x12\x12\n\nrow_offset\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x01(\r\"\x83\x04\n\x05Hello\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.dflash.v1.ProtocolVersion\x12)\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x17.dflash.v1.SharedBuffer\x12\x15\n\rkv_block_size\x18\x03 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12*\n\tembedding\x18\x06 \x01(\x0b\x32\x17.dflash.v1.SharedBuffer\x12(\n\x07lm_head\x18\x07 \x01(\x0b\x32\x17.dflash.v1.SharedBuffer\x12\x17\n\x0f\x65mbedding_scale\x18\x08 \x01(\x02\x12\x1f\n\x17\x66inal_logit_softcapping\x18\t \x01(\x02\x12\x19\n\x11graph_batch_sizes\x18\n \x03(\x05\x12\x1f\n\x17max_blocks_per_sequence\x18\x0b \x01(\x05\x12\x16\n\x0escratch_blocks\x18\x0c \x03(\x05\x12/\n\x0e\x63hained_inputs\x18\r \x01(\x0b\x32\x17.dflash.v1.SharedBuffer\x12\x19\n\x11writes_done_event\x18\x0e \x01(\x0c\x12\'\n\x06\x64rafts\x18\x0f \x01(\x0b\x32\x17.dflash.v1.SharedBuffer\"\x91\x01\n\nHelloReply\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.dflash.v1.ProtocolVersion\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x19\n\x11\x64rafts_done_event\x18\x05 \x01(\x0c\"\x1c\n\nBlockTable\x12\x0e\n\x06\x62locks\x18\x01 \x03(\x05\"\x98\x02\n\x0bStepRequest\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.dflash.v1.ProtocolVersion\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12*\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x18.dflash.v1.KVBlockHandle\x12\x11\n\tpositions\x18\x04 \x03(\x03\x12\r\n\x05slots\x18\x05 \x03(\x03\x12\x13\n\x0brequest_ids\x18\x06 \x03(\t\x12\x14\n\x0c\x62onus_tokens\x18\x07 \x03(\x03\x12\x0e\n\x06starts\x18\x08 \x03(\x03\x12+\n\x0c\x62lock_tables\x18\t \x03(\x0b\x32\x15.dflash.v1.BlockTable\x12\x0f\n\x07\x63hained\x18\n \x01(\x08\"\xa9\x01\n\nStepResult\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.dflash.v1.ProtocolVersion\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x15\n\rnum_sequences\x18\x04 \x01(\r\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x15\n\rdraft_seconds\x18\x06 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x07 \x01(\x01J\x04\x08\x03\x10\x04\"\'\n\x10ReleaseSequences\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x93\x01\n\x0e\x44rafterRequest\x12!\n\x05hello\x18\x01 \x01(\x0b\x32\x10.dflash.v1.HelloH\x00\x12&\n\x04step\x18\x02 \x01(\x0b\x32\x16.dflash.v1.StepRequestH\x00\x12.\n\x07release\x18\x03 \x01(\x0b\x32\x1b.dflash.v1.ReleaseSequencesH\x00\x42\x06\n\x04kind\"e\n\x0c\x44rafterReply\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.dflash.v1.HelloReplyH\x00\x12%\n\x04step\x18\x02 \x01(\x0b\x32\x15.dflash.v1.StepResultH\x00\x42\x06\n\x04kind*c\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01\x12\x16\n\x12PROTOCOL_VERSION_2\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x66lash/v1/drafter.proto\x12\tdflash.v1\"\xa2\x01\n\x0cSharedBuffer\x12\x11\n\tbuffer_id\x18\x01 \x01(\t\x12\x12\n\x08shm_name\x18\x02 \x01(\tH\x00\x12\x19\n\x0f\x63uda_ipc_handle\x18\x03 \x01(\x0cH\x00\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x04\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\x05\x42\n\n\x08location\"D\n\rKVBlockHandle\x12\x11\n\tbuffer_id\x18\x01 \x01(\t\x12\x12\n\nrow_offset\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x01(\r\"\xa5\x04\n\x05Hello\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.dflash.v1.ProtocolVersion\x12)\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x17.dflash.v1.SharedBuffer\x12\x15\n\rkv_block_size\x18\x03 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12*\n\tembedding\x18\x06 \x01(\x0b\x32\x17.dflash.v1.SharedBuffer\x12(\n\x07lm_head\x18\x07 \x01(\x0b\x32\x17.dflash.v1.SharedBuffer\x12\x17\n\x0f\x65mbedding_scale\x18\x08 \x01(\x02\x12\x1f\n\x17\x66inal_logit_softcapping\x18\t \x01(\x02\x12\x19\n\x11graph_batch_sizes\x18\n \x03(\x05\x12\x1f\n\x17max_blocks_per_sequence\x18\x0b \x01(\x05\x12\x16\n\x0escratch_blocks\x18\x0c \x03(\x05\x12/\n\x0e\x63hained_inputs\x18\r \x01(\x0b\x32\x17.dflash.v1.SharedBuffer\x12\x19\n\x11writes_done_event\x18\x0e \x01(\x0c\x12\'\n\x06\x64rafts\x18\x0f \x01(\x0b\x32\x17.dflash.v1.SharedBuffer\x12 \n\x18group1_writes_done_event\x18\x10 \x01(\x0c\"\xb3\x01\n\nHelloReply\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.dflash.v1.ProtocolVersion\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x19\n\x11\x64rafts_done_event\x18\x05 \x01(\x0c\x12 \n\x18group1_drafts_done_event\x18\x06 \x01(\x0c\"\x1c\n\nBlockTable\x12\x0e\n\x06\x62locks\x18\x01 \x03(\x05\"\xba\x02\n\x0bStepRequest\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.dflash.v1.ProtocolVersion\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12*\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x18.dflash.v1.KVBlockHandle\x12\x11\n\tpositions\x18\x04 \x03(\x03\x12\r\n\x05slots\x18\x05 \x03(\x03\x12\x13\n\x0brequest_ids\x18\x06 \x03(\t\x12\x14\n\x0c\x62onus_tokens\x18\x07 \x03(\x03\x12\x0e\n\x06starts\x18\x08 \x03(\x03\x12+\n\x0c\x62lock_tables\x18\t \x03(\x0b\x32\x15.dflash.v1.BlockTable\x12\x0f\n\x07\x63hained\x18\n \x01(\x08\x12\r\n\x05group\x18\x0b \x01(\r\x12\x11\n\tfirst_row\x18\x0c \x01(\r\"\xa9\x01\n\nStepResult\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.dflash.v1.ProtocolVersion\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x15\n\rnum_sequences\x18\x04 \x01(\r\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x15\n\rdraft_seconds\x18\x06 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x07 \x01(\x01J\x04\x08\x03\x10\x04\"\'\n\x10ReleaseSequences\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x93\x01\n\x0e\x44rafterRequest\x12!\n\x05hello\x18\x01 \x01(\x0b\x32\x10.dflash.v1.HelloH\x00\x12&\n\x04step\x18\x02 \x01(\x0b\x32\x16.dflash.v1.StepRequestH\x00\x12.\n\x07release\x18\x03 \x01(\x0b\x32\x1b.dflash.v1.ReleaseSequencesH\x00\x42\x06\n\x04kind\"e\n\x0c\x44rafterReply\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.dflash.v1.HelloReplyH\x00\x12%\n\x04step\x18\x02 \x01(\x0b\x32\x15.dflash.v1.StepResultH\x00\x42\x06\n\x04kind*{\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01\x12\x16\n\x12PROTOCOL_VERSION_2\x10\x02\x12\x16\n\x12PROTOCOL_VERSION_3\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dflash_serve.services.api.dflash.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOLVERSION']._serialized_start=1718
-  _globals['_PROTOCOLVERSION']._serialized_end=1817
+  _globals['_PROTOCOLVERSION']._serialized_start=1820
+  _globals['_PROTOCOLVERSION']._serialized_end=1943
   _globals['_SHAREDBUFFER']._serialized_start=39
   _globals['_SHAREDBUFFER']._serialized_end=201
   _globals['_KVBLOCKHANDLE']._serialized_start=203
   _globals['_KVBLOCKHANDLE']._serialized_end=271
   _globals['_HELLO']._serialized_start=274
-  _globals['_HELLO']._serialized_end=789
-  _globals['_HELLOREPLY']._serialized_start=792
-  _globals['_HELLOREPLY']._serialized_end=937
-  _globals['_BLOCKTABLE']._serialized_start=939
-  _globals['_BLOCKTABLE']._serialized_end=967
-  _globals['_STEPREQUEST']._serialized_start=970
-  _globals['_STEPREQUEST']._serialized_end=1250
-  _globals['_STEPRESULT']._serialized_start=1253
-  _globals['_STEPRESULT']._serialized_end=1422
-  _globals['_RELEASESEQUENCES']._serialized_start=1424
-  _globals['_RELEASESEQUENCES']._serialized_end=1463
-  _globals['_DRAFTERREQUEST']._serialized_start=1466
-  _globals['_DRAFTERREQUEST']._serialized_end=1613
-  _globals['_DRAFTERREPLY']._serialized_start=1615
-  _globals['_DRAFTERREPLY']._serialized_end=1716
+  _globals['_HELLO']._serialized_end=823
+  _globals['_HELLOREPLY']._serialized_start=826
+  _globals['_HELLOREPLY']._serialized_end=1005
+  _globals['_BLOCKTABLE']._serialized_start=1007
+  _globals['_BLOCKTABLE']._serialized_end=1035
+  _globals['_STEPREQUEST']._serialized_start=1038
+  _globals['_STEPREQUEST']._serialized_end=1352
+  _globals['_STEPRESULT']._serialized_start=1355
+  _globals['_STEPRESULT']._serialized_end=1524
+  _globals['_RELEASESEQUENCES']._serialized_start=1526
+  _globals['_RELEASESEQUENCES']._serialized_end=1565
+  _globals['_DRAFTERREQUEST']._serialized_start=1568
+  _globals['_DRAFTERREQUEST']._serialized_end=1715
+  _globals['_DRAFTERREPLY']._serialized_start=1717
+  _globals['_DRAFTERREPLY']._serialized_end=1818
 # @@protoc_insertion_point(module_scope)

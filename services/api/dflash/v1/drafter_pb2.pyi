@@ -12,9 +12,11 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_1: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_2: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_3: _ClassVar[ProtocolVersion]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_1: ProtocolVersion
 PROTOCOL_VERSION_2: ProtocolVersion
+PROTOCOL_VERSION_3: ProtocolVersion
 
 class SharedBuffer(_message.Message):
     __slots__ = ("buffer_id", "shm_name", "cuda_ipc_handle", "storage_offset", "shape", "dtype", "device")
@@ -45,7 +47,7 @@ class KVBlockHandle(_message.Message):
     def __init__(self, buffer_id: _Optional[str] = ..., row_offset: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "features", "kv_block_size", "num_kv_blocks", "block_size", "embedding", "lm_head", "embedding_scale", "final_logit_softcapping", "graph_batch_sizes", "max_blocks_per_sequence", "scratch_blocks", "chained_inputs", "writes_done_event", "drafts")
+    __slots__ = ("protocol_version", "features", "kv_block_size", "num_kv_blocks", "block_size", "embedding", "lm_head", "embedding_scale", "final_logit_softcapping", "graph_batch_sizes", "max_blocks_per_sequence", "scratch_blocks", "chained_inputs", "writes_done_event", "drafts", "group1_writes_done_event")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +63,7 @@ class Hello(_message.Message):
     CHAINED_INPUTS_FIELD_NUMBER: _ClassVar[int]
     WRITES_DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    GROUP1_WRITES_DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     features: SharedBuffer
     kv_block_size: int
@@ -76,21 +79,24 @@ class Hello(_message.Message):
     chained_inputs: SharedBuffer
     writes_done_event: bytes
     drafts: SharedBuffer
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., features: _Optional[_Union[SharedBuffer, _Mapping]] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., embedding: _Optional[_Union[SharedBuffer, _Mapping]] = ..., lm_head: _Optional[_Union[SharedBuffer, _Mapping]] = ..., embedding_scale: _Optional[float] = ..., final_logit_softcapping: _Optional[float] = ..., graph_batch_sizes: _Optional[_Iterable[int]] = ..., max_blocks_per_sequence: _Optional[int] = ..., scratch_blocks: _Optional[_Iterable[int]] = ..., chained_inputs: _Optional[_Union[SharedBuffer, _Mapping]] = ..., writes_done_event: _Optional[bytes] = ..., drafts: _Optional[_Union[SharedBuffer, _Mapping]] = ...) -> None: ...
+    group1_writes_done_event: bytes
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., features: _Optional[_Union[SharedBuffer, _Mapping]] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., embedding: _Optional[_Union[SharedBuffer, _Mapping]] = ..., lm_head: _Optional[_Union[SharedBuffer, _Mapping]] = ..., embedding_scale: _Optional[float] = ..., final_logit_softcapping: _Optional[float] = ..., graph_batch_sizes: _Optional[_Iterable[int]] = ..., max_blocks_per_sequence: _Optional[int] = ..., scratch_blocks: _Optional[_Iterable[int]] = ..., chained_inputs: _Optional[_Union[SharedBuffer, _Mapping]] = ..., writes_done_event: _Optional[bytes] = ..., drafts: _Optional[_Union[SharedBuffer, _Mapping]] = ..., group1_writes_done_event: _Optional[bytes] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("protocol_version", "error", "drafter", "block_size", "drafts_done_event")
+    __slots__ = ("protocol_version", "error", "drafter", "block_size", "drafts_done_event", "group1_drafts_done_event")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
+    GROUP1_DRAFTS_DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     error: str
     drafter: str
     block_size: int
     drafts_done_event: bytes
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., error: _Optional[str] = ..., drafter: _Optional[str] = ..., block_size: _Optional[int] = ..., drafts_done_event: _Optional[bytes] = ...) -> None: ...
+    group1_drafts_done_event: bytes
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., error: _Optional[str] = ..., drafter: _Optional[str] = ..., block_size: _Optional[int] = ..., drafts_done_event: _Optional[bytes] = ..., group1_drafts_done_event: _Optional[bytes] = ...) -> None: ...
 
 class BlockTable(_message.Message):
     __slots__ = ("blocks",)
@@ -99,7 +105,7 @@ class BlockTable(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("protocol_version", "step", "features", "positions", "slots", "request_ids", "bonus_tokens", "starts", "block_tables", "chained")
+    __slots__ = ("protocol_version", "step", "features", "positions", "slots", "request_ids", "bonus_tokens", "starts", "block_tables", "chained", "group", "first_row")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +116,8 @@ class StepRequest(_message.Message):
     STARTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
     CHAINED_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ROW_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     step: int
     features: KVBlockHandle
@@ -120,7 +128,9 @@ class StepRequest(_message.Message):
     starts: _containers.RepeatedScalarFieldContainer[int]
     block_tables: _containers.RepeatedCompositeFieldContainer[BlockTable]
     chained: bool
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., step: _Optional[int] = ..., features: _Optional[_Union[KVBlockHandle, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., chained: bool = ...) -> None: ...
+    group: int
+    first_row: int
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., step: _Optional[int] = ..., features: _Optional[_Union[KVBlockHandle, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., chained: bool = ..., group: _Optional[int] = ..., first_row: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("protocol_version", "step", "num_sequences", "error", "draft_seconds", "wait_seconds")
