@@ -68,12 +68,12 @@ class _DraftRequest:
 class RemoteProposer(Proposer):
     drafts_in_background = True
     context_after_accept = True  # the rows' positions and slots travel as host values: sent once the host has them
-    draft_groups = 2
 
     def __init__(self, channel, ring: FeatureRing, chained_inputs: torch.Tensor, writes_done: list[WritesDone],
                  drafts: torch.Tensor, drafts_done: list[OpenedWritesDone], block_size: int, capacity_rows: int, *,
-                 timeout: float):
+                 timeout: float, draft_groups: int = 1):
         self.channel = channel
+        self.draft_groups = draft_groups
         self.ring = ring
         self.chained_inputs = chained_inputs
         self.writes_done = writes_done
@@ -101,9 +101,11 @@ class RemoteProposer(Proposer):
     @classmethod
     def connect(cls, address, *, target: TargetModel, block_size: int, kv_block_size: int, num_kv_blocks: int,
                 capacity_rows: int, max_num_seqs: int, shared: list[SharedTensor],
-                graphs: RoundGraphs | None = None, timeout: float = 30.0) -> RemoteProposer:
+                graphs: RoundGraphs | None = None, timeout: float = 30.0, draft_groups: int = 1) -> RemoteProposer:
         """Open the channel and say Hello; `shared` receives the buffers the verifier must keep alive.
-        With the verifier's `graphs`, the drafter captures its forward for the same batch sizes."""
+        With the verifier's `graphs`, the drafter captures its forward for the same batch sizes.
+        `draft_groups` 2 lets the engine pipeline two groups (`Proposer.draft_groups`): for a drafter
+        on a GPU of its own; on its verifier's GPU the two processes' work would not overlap."""
         width = target.hidden_size * len(target.layer_ids)
         features = SharedTensor.allocate("features", (capacity_rows, width), target.dtype, target.device)
         embedding_weight, lm_head_weight = target.input_embeddings.weight.detach(), target.lm_head.weight.detach()
@@ -141,7 +143,7 @@ class RemoteProposer(Proposer):
         drafts_done = [OpenedWritesDone(event, target.device)
                        for event in (reply.drafts_done_event, reply.group1_drafts_done_event)]
         return cls(channel, FeatureRing(features), chained_inputs.tensor, writes_done, drafts.tensor, drafts_done,
-                   block_size, capacity_rows, timeout=timeout)
+                   block_size, capacity_rows, timeout=timeout, draft_groups=draft_groups)
 
     def inject_context(self, features: torch.Tensor, positions: torch.Tensor | list[int],
                        slots: torch.Tensor | list[int]) -> None:

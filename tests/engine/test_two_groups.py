@@ -48,6 +48,7 @@ class Pipeline:
                  **engine_options):
         self.shared = []
         self.engine, self.server, self.proposer = _remote_engine(target, drafter, self.shared, **engine_options)
+        self.proposer.draft_groups = 2  # as for a drafter on a GPU of its own
         self.engine.min_group_size = 2
         ks = self.engine.speculation.ks
         self.engine.speculation.costs = RoundCosts(costs["sizes"], {k: costs["verify"] for k in ks}, costs["draft"])
@@ -202,13 +203,17 @@ def test_admissions_and_finishes_re_form_the_groups_losslessly(pair):
     run.close()
 
 
-@pytest.mark.parametrize("batch", ["small", "flat costs"])
+@pytest.mark.parametrize("batch", ["small", "flat costs", "shared GPU"])
 def test_one_group_for_a_small_batch_or_where_two_would_be_slower(pair, batch):
+    """Also for a drafter on its verifier's GPU (RemoteProposer.connect's default): the two
+    processes' work would not overlap there."""
     target, drafter = pair
     prompts = PROMPTS[:3] if batch == "small" else PROMPTS  # 3 < 2 × min_group_size
     ids = [f"req-{i}" for i in range(len(prompts))]
     references = greedy_references(target, prompts, ids, TOKENS)
-    run = Pipeline(target, drafter, references, costs=LINEAR if batch == "small" else FLAT)
+    run = Pipeline(target, drafter, references, costs=FLAT if batch == "flat costs" else LINEAR)
+    if batch == "shared GPU":
+        run.proposer.draft_groups = 1
     done = run.engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=TOKENS))
     assert [s.output_ids for s in done] == [hf_greedy(target, p, TOKENS) for p in prompts]
     assert run.frames and {g for g, *_ in run.frames} == {0} and run.pipelined_turns() == 0
