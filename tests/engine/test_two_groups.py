@@ -13,22 +13,12 @@ import torch
 
 from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.engine.speculation import RoundCosts
-from tests.conftest import drafter_config, random_drafter
 from tests.engine import harness
 from tests.engine.harness import build_engine, hf_greedy
-from tests.engine.test_split_drafter import _remote_engine
-from tests.targets import tiny_target
+from tests.engine.test_split_drafter import B, V, _remote_engine, pair  # noqa: F401 - pair: the fixture
 
-V, B, TOKENS = 96, 5, 24
+TOKENS = 24
 PROMPTS = [[1, 2, 3, 4], list(range(10, 30)), [7] * 6, [40, 41], [5, 9, 11, 30, 2], [60, 3, 60, 3, 60]]
-
-
-@pytest.fixture
-def pair():
-    target = tiny_target("llama", layers=4, vocab=V, seed=13).float()
-    cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
-                         layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [1, 3]})
-    return target, random_drafter(cfg, seed=8, dtype=torch.float32)
 
 
 # Round costs linear in the batch, as where a forward is compute-bound: two half batches pay.
