@@ -210,12 +210,15 @@ def test_one_group_for_a_small_batch_or_where_two_would_be_slower(pair, batch):
     run.close()
 
 
+# Two groups chain their rounds: these run the chained loop only (conftest's `chain_rounds`).
+CHAINED_ONLY = pytest.mark.parametrize("chain_rounds", [True], indirect=True, ids=["chained"])
+
+
+@CHAINED_ONLY
 @pytest.mark.parametrize("when", ["receive", "ask"])
 def test_a_drafter_lost_mid_pipeline_falls_back_to_target_only(pair, when):
     """The channel goes away while both groups are in flight: while a group waits for its drafts,
     or as it asks for its next ones."""
-    if not harness.CHAIN_ROUNDS:
-        pytest.skip("two groups chain their rounds")
     target, drafter = pair
     run = Pipeline(target, drafter)
     ids = [run.engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=40)) for p in PROMPTS]
@@ -240,9 +243,8 @@ def test_a_drafter_lost_mid_pipeline_falls_back_to_target_only(pair, when):
     run.close()
 
 
+@CHAINED_ONLY
 def test_cancelling_requests_of_both_groups_leaks_no_kv_blocks(pair):
-    if not harness.CHAIN_ROUNDS:
-        pytest.skip("two groups chain their rounds")
     target, drafter = pair
     ids = [f"r{i}" for i in range(len(PROMPTS))]
     references = greedy_references(target, PROMPTS, ids, TOKENS)
