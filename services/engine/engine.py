@@ -360,7 +360,7 @@ class Engine:
         behind the other's verify — 2 × max(verify(n/2), draft(n/2)) — against the whole batch's
         draft and then its verify. Two halves cost twice a forward's fixed part (reading the
         weights), so they pay only where a verify grows with the batch and drafts are not cheap.
-        No costs (speculation fixed): one group."""
+        Measured for a drafter that can pipeline whatever the speculation (`measure_round_costs`)."""
         costs = self.speculation.costs
         if costs is None:
             return False
@@ -766,13 +766,14 @@ class Engine:
             self.measure_round_costs()
 
     def measure_round_costs(self, context: int = COST_CONTEXT) -> None:
-        """Time this engine's own round shapes for the adaptive policy (`RoundCosts`): the verify
-        of every k bucket and the draft, at a few batch sizes, every sequence at position
-        `context`. With CUDA graphs, by replaying them (on scratch blocks); else by eager forwards
-        on borrowed free blocks, which all rows of a batch share (the writes collide harmlessly:
-        only the time counts). Does nothing when no batch size is left to the policy."""
+        """Time this engine's own round shapes (`RoundCosts`) for the adaptive policy and the
+        two-group gate (`_two_groups_pay`): the verify of every k bucket and the draft, at a few
+        batch sizes, every sequence at position `context`. With CUDA graphs, by replaying them (on
+        scratch blocks); else by eager forwards on borrowed free blocks, which all rows of a batch
+        share (the writes collide harmlessly: only the time counts). Does nothing when neither
+        needs them: no batch size left to the policy, and a drafter that cannot pipeline."""
         policy = self.speculation
-        if self.proposer is None or not policy.needs_costs():
+        if self.proposer is None or not (policy.needs_costs() or self.proposer.draft_groups == 2):
             return
         t0 = time.perf_counter()
         block = self.block_size

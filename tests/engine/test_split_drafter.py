@@ -31,14 +31,15 @@ def pair():
     return target, random_drafter(cfg, seed=8, dtype=torch.float32)
 
 
-def _remote_engine(target, drafter, shared, **engine_options):
+def _remote_engine(target, drafter, shared, draft_groups: int = 1, **engine_options):
     server = DrafterServer(drafter)
     server.start()
     engine = build_engine(target, proposer=_Placeholder(drafter), **engine_options)  # captures the drafter's layers
     proposer = RemoteProposer.connect(server.address, target=engine.runner.target, block_size=B,
                                       kv_block_size=engine.allocator.block_size,
                                       num_kv_blocks=engine.runner.pool.k.shape[1], capacity_rows=64,
-                                      max_num_seqs=engine.config.max_num_seqs, shared=shared)
+                                      max_num_seqs=engine.config.max_num_seqs, shared=shared,
+                                      draft_groups=draft_groups)
     engine.attach_proposer(proposer)
     return engine, server, proposer
 

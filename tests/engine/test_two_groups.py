@@ -127,6 +127,26 @@ def assert_pipeline_order(events: list[tuple[str, int]], frames, max_num_seqs: i
         assert first_row == (0 if group == 0 else max_num_seqs - n)
 
 
+@pytest.mark.parametrize("draft_groups", [1, 2])
+def test_round_costs_are_measured_for_a_drafter_that_can_pipeline(pair, draft_groups):
+    """Fixed speculation needs no round costs itself, but the two-group gate weighs them: a
+    drafter that can pipeline gets them measured at attach, one that cannot does not."""
+    target, drafter = pair
+    shared = []
+    engine, _server, proposer = _remote_engine(target, drafter, shared, draft_groups=draft_groups,
+                                               speculation="fixed")
+    try:
+        costs = engine.speculation.costs
+        assert (costs is not None) == (draft_groups == 2)
+        if costs is not None:
+            assert set(costs.ks) == set(engine.speculation.ks)
+            assert all(s > 0 for k in costs.ks if k for s in costs.verify[k])
+    finally:
+        proposer.release()
+        for buffer in shared:
+            buffer.close()
+
+
 @pytest.mark.parametrize("drafts", ["oracle", "greedy", "seeded"])
 def test_two_groups_are_lossless_and_pipelined(pair, drafts):
     """oracle: the target's greedy continuation with errors planted, accepting 0..B-1 drafts in
