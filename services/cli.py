@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import types
 import typing
 
@@ -197,6 +198,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from dflash_serve.services.app import GRPC_SERVICER_FUNCTIONS, build_app
 
+    started = time.time()
     ray.init(include_dashboard=False, num_gpus=num_gpus or None, _metrics_export_port=config.metrics_port)
     serve.start(http_options=HTTPOptions(host=args.http_host, port=config.http_port),
                 grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
@@ -212,7 +214,20 @@ def _serve(args: argparse.Namespace) -> int:
         serve.shutdown()  # replicas finish their requests (Serve's graceful shutdown), then go
     finally:
         ray.shutdown()
+        _remove_leftovers(started)
     return 0
+
+
+def _remove_leftovers(started: float) -> None:
+    """What CUDA IPC left in /dev/shm for this server's exited processes (`transport.leftovers`)."""
+    from dflash_serve.services.transport.leftovers import remove_cuda_ipc_leftovers
+
+    removed, running = remove_cuda_ipc_leftovers(started)
+    if removed:
+        print(f"dflash-serve: removed {len(removed)} files CUDA IPC left in /dev/shm", flush=True)
+    if running:
+        print(f"dflash-serve: {len(running)} files in /dev/shm belong to processes still running, left in place: "
+              f"{', '.join(running)}", file=sys.stderr, flush=True)
 
 
 def run_until_stopped() -> None:
