@@ -146,7 +146,11 @@ def test_a_layer_listed_twice_gives_its_feature_twice():
                                      max_positions=64)
     for (_, hf_features), (_, features) in zip(paged_forwards(hf_runner, torch.float32)[0],
                                                paged_forwards(fused_runner, torch.float32)[0], strict=True):
-        assert features.shape[-1] == 3 * 32 and torch.equal(features, hf_features)
+        assert features.shape[-1] == 3 * 32
+        assert torch.equal(features[..., :32], features[..., 64:])  # layer 3's feature, twice
+        # Equal to the transformers path to float32 rounding: under TRITON_INTERPRET=1 the fused
+        # forward's norms run as Triton kernels, which round differently from the reference.
+        assert relative(features, hf_features) < 1e-5
 
 
 def test_fusing_shares_the_hf_weights_and_leaves_the_hf_model_working():
