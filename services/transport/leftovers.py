@@ -52,6 +52,8 @@ def remove_cuda_ipc_leftovers(since: float, *, shm_dir: str = SHM_DIR, wait_s: f
     whose process has exited, after waiting up to `wait_s` for those still exiting (Ray ends its
     workers after `ray.shutdown()` returns). This process's own are left alone. Returns (removed,
     kept because their process still runs)."""
+    if not os.path.isdir(shm_dir):  # no POSIX shared memory there (macOS): nothing was left
+        return [], []
     deadline = time.monotonic() + wait_s
     while True:
         owners: dict[str, int] = {}

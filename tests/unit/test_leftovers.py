@@ -55,3 +55,7 @@ def test_waits_for_a_process_that_is_exiting(tmp_path):
     finally:
         child.wait()
     assert (removed, running) == ([name], [])
+
+
+def test_a_machine_without_the_shared_memory_folder_has_nothing_to_remove(tmp_path):
+    assert remove_cuda_ipc_leftovers(0.0, shm_dir=str(tmp_path / "absent")) == ([], [])
