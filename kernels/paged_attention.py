@@ -187,7 +187,11 @@ def choose_num_kv_splits(num_programs: int, max_keys: int, device: torch.device)
     GPU in one wave (verify/decode at small batch and long context), and never a partial second
     wave, which would leave the GPU mostly idle for a whole program's time."""
     slots = PROGRAMS_PER_SM * _num_sms(device)
-    return max(1, min(slots // num_programs, max_keys // MIN_KEYS_PER_SPLIT, MAX_KV_SPLITS))
+    splits = max(1, min(slots // num_programs, max_keys // MIN_KEYS_PER_SPLIT, MAX_KV_SPLITS))
+    # A power of two: the count is a compile-time constant of the kernel, and an eager forward's
+    # shapes (a burst of prompts past the prefill graphs) would otherwise compile a new variant
+    # for each count the start-up's graphs did not use, a stall of ~1 s each while requests wait.
+    return 1 << (splits.bit_length() - 1)
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start, *, scale, causal, window=None,
@@ -253,7 +257,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
 
 if triton is not None:
 
-    @triton.jit
+    # Sizes that differ from one eager forward to the next are not specialized on (Triton compiles a
+    # variant per value's divisibility by 16), so a new batch shape reuses the compiled kernel.
+    @triton.jit(do_not_specialize=["partial_rows_per_split", "stride_block_tables"])
     def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
         out_ptr, partial_out_ptr, partial_lse_ptr, partial_rows_per_split, num_heads,
@@ -355,7 +361,7 @@ if triton is not None:
             tl.store(partial_out_ptr + partial_row[:, None] * HEAD_DIM + dims[None, :], out, mask=store_mask)
             tl.store(partial_lse_ptr + partial_row, lse, mask=row_valid)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["partial_rows_per_split"])
     def _merge_kv_splits_kernel(
         partial_out_ptr, partial_lse_ptr, out_ptr, partial_rows_per_split, num_heads, stride_out_token, stride_out_head,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,

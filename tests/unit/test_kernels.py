@@ -213,6 +213,22 @@ if ON_CUDA:
     SPLIT_CASES.append((torch.bfloat16, 3))
 
 
+def test_kv_split_count_is_a_power_of_two_within_one_wave(monkeypatch):
+    """The split count is a kernel constant: powers of two keep an eager forward's new shapes on the
+    variants already compiled, and the count still never overfills one wave of programs."""
+    pa = importlib.import_module("dflash_serve.kernels.paged_attention")  # the package exports a function of that name
+    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)  # an H100's
+    slots = pa.PROGRAMS_PER_SM * 132
+    counts = set()
+    for programs in range(1, 300):
+        for max_keys in (16, 300, 1536, 8192, 40000):
+            splits = pa.choose_num_kv_splits(programs, max_keys, torch.device("cpu"))
+            assert splits & (splits - 1) == 0 and 1 <= splits <= pa.MAX_KV_SPLITS
+            assert splits == 1 or (programs * splits <= slots and splits * pa.MIN_KEYS_PER_SPLIT <= max_keys)
+            counts.add(splits)
+    assert counts == {1, 2, 4, 8, 16, 32}
+
+
 @runs_triton
 @pytest.mark.parametrize("dtype, num_kv_splits", SPLIT_CASES, ids=lambda x: str(x).removeprefix("torch."))
 @pytest.mark.parametrize("name", ATTENTION_CASES)
