@@ -37,7 +37,7 @@ from dflash_serve.kernels.rms_norm import (
     rms_norm_triton,
 )
 from dflash_serve.kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference, rope_kv_write_triton
-from dflash_serve.kernels.sampling import sample_race, sample_race_reference, sample_race_triton
+from dflash_serve.kernels.sampling import sample_race, sample_race_reference, sample_race_triton, warm_sample_race
 from dflash_serve.kernels.skinny_linear import SkinnyLinear, skinny_linear_reference, skinny_linear_triton
 from dflash_serve.kernels.silu_mul import (
     gelu_tanh_mul,
@@ -75,6 +75,7 @@ __all__ = [
     "sample_race",
     "sample_race_reference",
     "sample_race_triton",
+    "warm_sample_race",
     "silu_mul",
     "silu_mul_reference",
     "silu_mul_triton",

@@ -206,6 +206,27 @@ def sample_race_triton(
     return out.view(n, s)
 
 
+def warm_sample_race(vocab: int, dtype: torch.dtype, device: torch.device, slot_counts, max_batch: int) -> list:
+    """Launch the race once for every variant a server can meet, so that Triton compiles them at
+    start-up and not in a request's first sampled step (~0.3 s each on the H100, measured as a
+    TTFT stall in BENCHMARKS.md). A variant is a slot count S (1: prefill and target-only steps;
+    k + 1: a round of k drafts), the column block its row count N × S chooses (`block_cols`), and
+    with or without a truncation threshold. Returns the (S, block) pairs launched."""
+    launched = []
+    for s in sorted(set(slot_counts)):
+        for n in range(1, max_batch + 1):
+            if (s, block_cols(n * s, vocab)) in launched:
+                continue
+            launched.append((s, block_cols(n * s, vocab)))
+            logits = torch.zeros(n, s, vocab, dtype=dtype, device=device)
+            temperature = torch.ones(n, dtype=torch.float32, device=device)
+            seed = torch.zeros(n, dtype=torch.long, device=device)
+            positions = torch.zeros(n, s, dtype=torch.long, device=device)
+            for threshold in (None, torch.full((n, s), -math.inf, dtype=torch.float32, device=device)):
+                sample_race_triton(logits, temperature, seed, positions, threshold)
+    return launched
+
+
 def noise_triton(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's noise, written out (for tests): seed [N], positions [N, S] -> the hash h [N, S, V]
     int64 and log E [N, S, V] float32, as `noise_hash` and `log_exponentials` of `position_keys`."""

@@ -847,6 +847,21 @@ def test_sample_tokens_triton_path_matches_the_torch_path(monkeypatch):
     assert torch.equal(got, sample_tokens(logits, batch, positions))
 
 
+@runs_triton
+def test_warm_sample_race_triton_launches_every_variant():
+    """Start-up launches the race at every (slot count, column block) a batch of up to max_batch
+    sequences can meet, so no request's step compiles one."""
+    from dflash_serve.kernels import warm_sample_race
+    from dflash_serve.kernels.sampling import block_cols
+
+    device = torch.device("cuda" if ON_CUDA else "cpu")
+    vocab, slot_counts, max_batch = 5000, (1, 2, 16), 32
+    launched = warm_sample_race(vocab, torch.float32, device, slot_counts, max_batch)
+    expected = {(s, block_cols(n * s, vocab)) for s in slot_counts for n in range(1, max_batch + 1)}
+    assert set(launched) == expected and len(launched) == len(expected)
+    assert {block for _, block in launched} == {512, 1024, 2048}  # every block the rows can choose
+
+
 def test_sample_race_dispatch(monkeypatch):
     import dflash_serve.kernels.sampling as module
 
