@@ -37,6 +37,7 @@ import torch
 
 from dflash_serve.services.bench.spec_engine import build_models, run_case
 from dflash_serve.services.config import EngineConfig
+from dflash_serve.services.cuda_mps import cuda_mps
 from dflash_serve.services.engine.engine import MIN_GROUP_SIZE
 from dflash_serve.services.engine.loader import assemble_engine
 from dflash_serve.services.models import TargetModel, save_drafter
@@ -92,12 +93,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--cuda-mps", action="store_true",
+                        help="every process as a client of an MPS daemon of its own (`dflash serve --cuda-mps`)")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         parser.error(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
+    # Before this process makes its CUDA context: a process joins MPS then or never.
+    with cuda_mps() if args.cuda_mps else contextlib.nullcontext():
+        return _run(args, modes)
 
+
+def _run(args: argparse.Namespace, modes: list[str]) -> int:
     from dflash_serve.services.verifier.remote_drafter import RemoteProposer
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -106,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     drafter_dir = tempfile.mkdtemp(prefix="dflash-bench-drafter-")
     save_drafter(drafter, drafter_dir)
     results = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
-               "synthetic_tau": args.tau, "rows": []}
+               "synthetic_tau": args.tau, "cuda_mps": args.cuda_mps, "rows": []}
 
     def config(batch: int) -> EngineConfig:
         blocks = batch * (-(-(args.prompt_len + args.max_tokens + 32) // 16)) + 64
