@@ -3,7 +3,7 @@
 Two processes on one GPU (the verifier and a drafter sharing its GPU) time-slice it: each gets
 the whole GPU in turns, and a switch costs. As clients of one MPS server their kernels share the
 SMs instead. Measured on 2 × H200 (BENCHMARKS.md, seventh session): the shared-GPU split went
-from 0.91–0.92 to 0.975 of colocated at batch 1, run under an MPS daemon started this way.
+from 0.91–0.92 to 0.975 of colocated at batch 1 (colocated itself run under MPS too).
 
 The control daemon is the server's own: a private pipe directory, so no other CUDA process of
 the machine becomes its client, started before any of the server's processes creates a CUDA
@@ -62,9 +62,18 @@ def cuda_mps(timeout: float = 10.0) -> Iterator[dict[str, str]]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        # The daemon stops its MPS server once the clients are gone, then exits.
-        subprocess.run([exe], input="quit\n", env=daemon_env, capture_output=True, text=True, timeout=timeout)
-        shutil.rmtree(root, ignore_errors=True)
+        # The daemon stops its MPS server once every client is gone, then exits; `quit` waits for
+        # that. A process still holding a CUDA context (a benchmark) is one, so it leaves the
+        # command to wait for its own exit, with the directory in place for the daemon.
+        stop = subprocess.Popen([exe], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=daemon_env, text=True)
+        stop.stdin.write("quit\n")
+        stop.stdin.close()
+        try:
+            stop.wait(timeout=timeout)
+            shutil.rmtree(root, ignore_errors=True)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _wait_for_pipe(pipe_dir: str, log_dir: str, timeout: float) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 
 import pytest
 
@@ -18,6 +19,7 @@ if [ "$1" = "-d" ]; then
     exit 0
 fi
 sed 's/^/stdin=/' >> "$FAKE_MPS_LOG"
+[ -z "$FAKE_MPS_QUIT_WAITS" ] || sleep 30
 """
 
 
@@ -53,6 +55,17 @@ def test_the_daemon_quits_when_the_server_fails(control):
         with cuda_mps() as env:
             raise RuntimeError("the server failed")
     assert control()[-1] == "stdin=quit" and not os.path.exists(os.path.dirname(env[PIPE_VAR]))
+
+
+def test_a_process_still_a_client_is_not_held_by_the_quit(control, monkeypatch):
+    """`quit` waits for every client to go; a benchmark holding a CUDA context is one, so the
+    context exits after the timeout and leaves the daemon its directory until then."""
+    monkeypatch.setenv("FAKE_MPS_QUIT_WAITS", "1")
+    started = time.monotonic()
+    with cuda_mps(timeout=0.5) as env:
+        pass
+    assert time.monotonic() - started < 5 and control()[-1] == "stdin=quit"
+    assert os.path.isdir(env[PIPE_VAR]) and PIPE_VAR not in os.environ
 
 
 def test_a_daemon_that_will_not_start_is_a_clear_error(control, monkeypatch):
