@@ -277,7 +277,8 @@ class Verifier:
         """Raises when this replica can no longer serve (Serve then replaces it, and the router
         reports NOT_SERVING meanwhile): its engine loop stopped, or its GPU holds a sticky error
         (after one, every CUDA call of the process fails)."""
-        if not self._thread.is_alive():
+        # The error is set before the loop's thread ends the requests it held, and so before it exits.
+        if self._loop_error or not self._thread.is_alive():
             raise RuntimeError(f"the engine loop stopped: {self._loop_error or 'it was shut down'}")
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)
