@@ -215,9 +215,10 @@ def warm_sample_race(vocab: int, dtype: torch.dtype, device: torch.device, slot_
     launched = []
     for s in sorted(set(slot_counts)):
         for n in range(1, max_batch + 1):
-            if (s, block_cols(n * s, vocab)) in launched:
+            variant = (s, block_cols(n * s, vocab))
+            if variant in launched:
                 continue
-            launched.append((s, block_cols(n * s, vocab)))
+            launched.append(variant)
             logits = torch.zeros(n, s, vocab, dtype=dtype, device=device)
             temperature = torch.ones(n, dtype=torch.float32, device=device)
             seed = torch.zeros(n, dtype=torch.long, device=device)

@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 CONTROL = "nvidia-cuda-mps-control"
 PIPE_VAR, LOG_VAR = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
@@ -81,7 +82,7 @@ def _wait_for_pipe(pipe_dir: str, log_dir: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not os.listdir(pipe_dir):
         if time.monotonic() > deadline:
-            log = os.path.join(log_dir, "control.log")
-            tail = open(log).read()[-500:].strip() if os.path.exists(log) else "no log"
+            log = Path(log_dir, "control.log")
+            tail = log.read_text()[-500:].strip() if log.exists() else "no log"
             raise CudaMpsError(f"{CONTROL} made no control pipe in {pipe_dir} within {timeout:.0f} s: {tail}")
         time.sleep(0.05)
