@@ -14,6 +14,7 @@ import contextlib
 import logging
 
 from dflash_serve.services.config import ServeConfig
+from dflash_serve.services.gc_freeze import freeze_startup_objects
 from dflash_serve.services.verifier.verifier import DRAFTER_CPUS
 
 GRPC_SERVICER_FUNCTIONS = [
@@ -75,6 +76,7 @@ class VerifierDeployment:
 
         _log_through_serve()
         self.verifier = Verifier(config, metrics=_replica_metrics("verifier", config["engine"]["target"]))
+        freeze_startup_objects()
 
     async def generate(self, prompt_ids, params, request_id=None):
         async for out in self.verifier.generate(prompt_ids, params, request_id):
@@ -124,6 +126,7 @@ class RouterDeployment:
                              default_max_tokens=cfg.default_max_tokens, max_pending=cfg.max_pending,
                              running_verifiers=_running_verifiers, api_keys=api_keys)
         self.openai = OpenAIServer(self.router, cfg.model_name)
+        freeze_startup_objects()
 
     async def __call__(self, request):
         """An HTTP request (a starlette Request): the OpenAI API."""

@@ -387,10 +387,12 @@ def _bench(args: argparse.Namespace) -> int:
                              "give --endpoint /v1/chat/completions")
         if args.backend == "embedded":
             from dflash_serve.services.engine.loader import build_engine
+            from dflash_serve.services.gc_freeze import freeze_startup_objects
 
             most = max(load.concurrency or args.num_prompts for load in loads)
             defaults = {"device": _auto_device(), "max_num_seqs": most, **_model_pair(engine_flags)}
             engine = build_engine(EngineConfig.load(engine_flags, defaults=defaults))
+            freeze_startup_objects()  # as a server's processes do: the measured steps are theirs
             backend = EmbeddedBackend(engine)
         elif args.backend == "openai":
             if args.tokenizer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import math
 
 import pytest
@@ -62,3 +63,11 @@ def random_drafter(cfg: dict, seed: int = 0, dtype: torch.dtype = torch.float64)
 def _deterministic():
     torch.manual_seed(1234)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _unfrozen_heap():
+    """A test that builds a serving process's object (`freeze_startup_objects`) leaves the test
+    process's collector as it found it: frozen objects are never collected."""
+    yield
+    gc.unfreeze()

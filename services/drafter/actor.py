@@ -9,6 +9,7 @@ import torch
 
 from dflash_serve.services.drafter.server import DrafterServer
 from dflash_serve.services.engine.loader import resolve_dtype
+from dflash_serve.services.gc_freeze import freeze_startup_objects
 
 # Set in the actor's runtime_env: Ray then leaves CUDA_VISIBLE_DEVICES to the actor even when it
 # gives it a GPU (Ray 2.60, ray/_private/accelerators/nvidia_gpu.py), and `cuda_visibility` sets it.
@@ -47,6 +48,7 @@ class DrafterActor:
         self.server = DrafterServer.load(drafter_path, device=device, dtype=resolve_dtype(dtype, torch.device(device)),
                                          revision=revision)
         self.server.start()
+        freeze_startup_objects()
 
     def address(self) -> tuple[str, int]:
         return self.server.address

@@ -132,7 +132,9 @@ class _Round:
     clock: _PhaseClock
     chainable: bool  # the next round may start from this one's device results
     context: tuple | None  # (features, positions, slots) of every slot, for a drafter that takes them after acceptance
+    launched_at: float  # perf_counter() when the host began to launch it
     finished: bool = False  # read and committed
+    timed: bool = True  # its wall time is the policy's to observe (`_observe_round_time`)
 
 
 @dataclass
@@ -204,7 +206,7 @@ class Engine:
         self._in_flight: _Round | None = None  # launched, not read: the host works while it runs
         self._groups: list[_Group] = []  # two groups in flight, or none
         self.min_group_size = MIN_GROUP_SIZE
-        self._chained_read_at: float | None = None  # when the last round of a chain was read
+        self._last_read_at: float | None = None  # when the host last read a round's results
         # Chain rounds (`step`). On a CPU nothing overlaps, and a chained round after a request's
         # last one is wasted work, so there only the tests turn it on (to run the same loop).
         self.chain_rounds = config.async_scheduling and self.device.type == "cuda"
@@ -299,16 +301,11 @@ class Engine:
             lookahead = self.block_size  # what the new round writes, even if it loses its drafter
             self._in_flight = self._guarded(self._launch_round, previous.seqs, previous.seqs, previous)
             self._guarded(self._finish_round, previous, previous.seqs, lookahead)
-            # Back to back with the round before it: the time since that one was read is this
-            # one's wall time, what the speculation policy weighs ks by.
-            now = time.perf_counter()
-            if self._chained_read_at is not None and previous.proposer is not None:
-                self.speculation.observe_round_time(len(previous.seqs), previous.k, now - self._chained_read_at)
-            self._chained_read_at = now
+            self._observe_round_time(previous, self._in_flight)
         else:
-            self._chained_read_at = None
             if previous is not None:
                 self._guarded(self._finish_round, previous, previous.seqs)
+                self._observe_round_time(previous)
             plan = self.scheduler.schedule()
             now = time.monotonic()
             for chunk in plan.prefills:
@@ -319,16 +316,29 @@ class Engine:
             if plan.decodes and self._two_groups_fit(plan.decodes):
                 self._guarded(self._start_groups, plan.decodes, plan.decodes)
             elif plan.decodes:
-                t0 = time.perf_counter()
                 launched = self._guarded(self._launch_round, plan.decodes, plan.decodes)
+                if launched is not None:
+                    launched.timed = not plan.prefills  # else it queued behind the prefill's forwards
                 if launched is not None and launched.chainable:
                     self._in_flight = launched
                 elif launched is not None:
                     self._guarded(self._finish_round, launched, launched.seqs)
-                    if launched.proposer is not None:  # read at once: launch to read is its wall time
-                        self.speculation.observe_round_time(len(launched.seqs), launched.k, time.perf_counter() - t0)
+                    self._observe_round_time(launched)
         outputs, self._outputs = self._outputs, []
         return outputs
+
+    def _observe_round_time(self, rnd: _Round, launched_next: _Round | None = None) -> None:
+        """Give the speculation policy the wall time of a round just read: from the later of its
+        launch and the last round's read, which is what it added to the serving loop — the step
+        period of chained rounds, launch to read for one that ran alone (the first after the
+        batch changed: most rounds at high concurrency, where requests end every few rounds).
+        Not a round that queued behind a prefill, nor one whose time also holds the host's
+        launch of a round of another k (`launched_next`)."""
+        now = time.perf_counter()
+        start = rnd.launched_at if self._last_read_at is None else max(rnd.launched_at, self._last_read_at)
+        self._last_read_at = now
+        if rnd.timed and rnd.proposer is not None and (launched_next is None or launched_next.k == rnd.k):
+            self.speculation.observe_round_time(len(rnd.seqs), rnd.k, now - start)
 
     def _room_for_chained_round(self, previous: _Round) -> bool:
         """Whether the next round can start before `previous` is read: the same sequences (none
@@ -627,6 +637,7 @@ class Engine:
             times_draft=k > 0 and proposer.drafts_in_background and group is None,
             results=results, ready=ready, next_bonus=target_tokens.gather(1, accepted[:, None])[:, 0],
             next_starts=inputs.starts + accepted + 1, clock=clock, chainable=self.chain_rounds, context=context,
+            launched_at=t0,
         )
 
     def _round_inputs(self, n: int, k: int, bonus_ids: list[int] | torch.Tensor, starts: list[int] | torch.Tensor,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
+import types
 
 import pytest
 import torch
@@ -180,3 +182,46 @@ def test_forced_k_with_prefix_cache_hits_across_turns(pair):
     assert cached.scheduler.prefix_cache_hits > 0
     assert cached.allocator.num_free == cached.allocator.num_blocks
 
+
+
+def test_round_wall_times_leave_out_prefills_and_launches_of_another_k(pair, chain_rounds, monkeypatch):
+    """The policy weighs each k by the wall time its rounds add to the loop: from the later of a
+    round's launch and the last round's read, to its read. On a fake clock where a prefill takes
+    1000 s and launching a round 1 s: no observed time holds a prefill; a round launched alone
+    after its batch changed (a request ended) is observed — chained, its own launch and the
+    next one's, 2 s; synced, 1 s each — and when k alternates every round, no chained round is
+    observed with time in it, which would hold the host's launch of a round of the other k."""
+    from dflash_serve.services.engine import engine as engine_module
+
+    target, drafter = pair
+    clock = [0.0]
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0],
+                                                                     monotonic=time.monotonic))
+
+    def engine_on_the_clock(choose=None):
+        engine = build_engine(target, drafter=drafter, spec_table={1: 3})
+        prefill, launch = engine._prefill, engine._launch_round
+        engine._prefill = lambda *a: clock.__setitem__(0, clock[0] + 1000) or prefill(*a)
+        engine._launch_round = lambda *a: (launch(*a), clock.__setitem__(0, clock[0] + 1))[0]  # after its start
+        if choose is not None:
+            engine.speculation.choose = choose
+        observed = []
+        engine.speculation.observe_round_time = lambda n, k, seconds: observed.append((n, k, seconds))
+        return engine, observed
+
+    engine, observed = engine_on_the_clock()
+    engine.generate([[1, 2, 3], [7, 9, 11]], [SamplingParams(temperature=0.0, max_tokens=m) for m in (4, 14)])
+    assert observed and all(seconds < 1000 for _, _, seconds in observed)
+    if chain_rounds:
+        assert (1, 3, 2.0) in observed  # the second request's first round alone
+        assert {seconds for _, _, seconds in observed} <= {0.0, 1.0, 2.0}
+    else:
+        assert {seconds for _, _, seconds in observed} == {1.0}
+
+    order = itertools.cycle([3, 0])
+    engine, observed = engine_on_the_clock(choose=lambda caps: next(order))
+    engine.generate([[1, 2, 3]], [SamplingParams(temperature=0.0, max_tokens=12)])
+    if chain_rounds:
+        assert all(seconds == 0.0 for _, _, seconds in observed)
+    else:
+        assert {k for _, k, _ in observed} == {0, 3} and {s for _, _, s in observed} == {1.0}

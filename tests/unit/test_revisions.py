@@ -5,6 +5,7 @@ and a revision for a local folder is refused."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from types import SimpleNamespace
 
@@ -83,6 +84,7 @@ def test_the_drafter_actor_and_server_load_the_drafter_revision(hub):
     actor = DrafterActor(DRAFTER, "cpu", "float32", "v2")
     actor.server.listener.close()
     assert hub.calls == [("snapshot", DRAFTER, "v2")]
+    assert gc.get_freeze_count() > 0  # a serving process: its start-up objects frozen
 
 
 def test_get_model_info_shows_the_revisions(hub):
@@ -125,6 +127,7 @@ def test_the_router_deployment_reads_tokenizer_and_config_at_the_target_revision
 
     RouterDeployment(None, ServeConfig(engine=EngineConfig(**ENGINE)).to_dict())
     assert sorted(set(hub.calls)) == [("config", TARGET, "t-commit"), ("tokenizer", TARGET, "t-commit")]
+    assert gc.get_freeze_count() > 0
 
 
 def test_training_reads_the_target_config_at_its_revision(hub):
