@@ -23,7 +23,10 @@ widths 1, 2, 4, 8, B (each about double the last) leave little between two bucke
 from __future__ import annotations
 
 import bisect
+import collections
+import itertools
 import math
+import operator
 import time
 from collections.abc import Callable, Sequence
 
@@ -49,14 +52,11 @@ def table_k(table: dict, batch_size: int) -> int | None:
     return entries[at][1] if at >= 0 else None
 
 
-def expected_tokens(acceptance: Sequence[float], k: int) -> float:
-    """E[accepted + 1] of a round verifying k drafts, given the conditional acceptance of draft j
-    when drafts 1..j−1 were accepted (acceptance[j−1])."""
-    total, alive = 1.0, 1.0
-    for j in range(k):
-        alive *= acceptance[j]
-        total += alive
-    return total
+def expected_tokens(acceptance: Sequence[float]) -> list[float]:
+    """E[accepted + 1] of a round verifying k drafts, for k = 0..len(acceptance), given the
+    conditional acceptance of draft j when drafts 1..j−1 were accepted (acceptance[j−1]): 1 plus
+    the running products."""
+    return list(itertools.accumulate(itertools.accumulate(acceptance, operator.mul, initial=1.0)))
 
 
 class AcceptanceTracker:
@@ -164,7 +164,12 @@ class RoundCosts:
         self.wall_factor[key] = ratio if old is None else old + self.wall_rate * (ratio - old)
 
     def _nearest(self, n: int) -> int:
-        return min(range(len(self.batch_sizes)), key=lambda i: abs(self.batch_sizes[i] - n))
+        """The index of the measured batch size nearest n (the smaller on a tie)."""
+        sizes = self.batch_sizes
+        at = bisect.bisect_left(sizes, n)
+        if at == len(sizes) or (at > 0 and n - sizes[at - 1] <= sizes[at] - n):
+            return max(at - 1, 0)
+        return at
 
     def observe_draft(self, n: int, seconds: float) -> None:
         """A remote drafter's round at batch `n` took `seconds`: into the nearest measured size's
@@ -258,12 +263,14 @@ class SpeculationPolicy:
         return max(b for b in self.ks if b <= k)
 
     def _best_k(self, caps: Sequence[int], limit: int, acceptance: Sequence[float]) -> int:
+        # Every round chooses, on the host's critical path: per distinct cap, not per sequence.
         n, costs = len(caps), self.costs
+        expected, counts = expected_tokens(acceptance[:limit]), collections.Counter(caps).items()
         best_k, best_rate = 0, -1.0
         for k in costs.ks:
             if k > limit:
                 break
-            gain = sum(expected_tokens(acceptance, min(k, c)) for c in caps)
+            gain = sum(expected[min(k, c)] * m for c, m in counts)
             seconds = costs.round_seconds(n, k)
             rate = gain / seconds if seconds > 0 else math.inf
             if rate > best_rate * (1 + 1e-9):  # ties go to the smaller k

@@ -34,7 +34,7 @@ def _best_k_by_brute_force(costs, acceptance, caps):
     n = len(caps)
 
     def rate(k):
-        gain = sum(expected_tokens(acceptance, min(k, B - 1 if c is None else c)) for c in caps)
+        gain = sum(expected_tokens(acceptance)[min(k, B - 1 if c is None else c)] for c in caps)
         return gain / (costs.verify_seconds(n, k) + (costs.draft_seconds(n) if k else 0))
 
     return max(costs.ks, key=lambda k: (rate(k), -k))
@@ -51,9 +51,8 @@ def test_buckets_and_the_static_table():
 
 
 def test_expected_tokens_is_one_plus_the_products_of_conditional_acceptance():
-    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
-    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert expected_tokens([1.0, 0.0, 1.0], 3) == 2.0
+    assert expected_tokens([0.5, 0.5, 0.5]) == pytest.approx([1.0, 1.5, 1.75, 1.875])
+    assert expected_tokens([1.0, 0.0, 1.0]) == [1.0, 2.0, 2.0, 2.0]
 
 
 def test_costs_interpolate_linearly_between_measured_batch_sizes():
