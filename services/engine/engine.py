@@ -304,6 +304,9 @@ class Engine:
             self._observe_round_time(previous, self._in_flight)
         else:
             if previous is not None:
+                # A round holding a request that ended before it was read was wasted on it, and
+                # the loop may have waited for new work since: its time is not a round's.
+                previous.timed &= all(s.status is SequenceStatus.RUNNING for s in previous.seqs)
                 self._guarded(self._finish_round, previous, previous.seqs)
                 self._observe_round_time(previous)
             plan = self.scheduler.schedule()

@@ -190,7 +190,9 @@ def test_round_wall_times_leave_out_prefills_and_launches_of_another_k(pair, cha
     1000 s and launching a round 1 s: no observed time holds a prefill; a round launched alone
     after its batch changed (a request ended) is observed — chained, its own launch and the
     next one's, 2 s; synced, 1 s each — and when k alternates every round, no chained round is
-    observed with time in it, which would hold the host's launch of a round of the other k."""
+    observed with time in it, which would hold the host's launch of a round of the other k. A
+    round still in flight when its request ended is not observed: the loop idled (1000 s here)
+    before reading it."""
     from dflash_serve.services.engine import engine as engine_module
 
     target, drafter = pair
@@ -217,6 +219,12 @@ def test_round_wall_times_leave_out_prefills_and_launches_of_another_k(pair, cha
         assert {seconds for _, _, seconds in observed} <= {0.0, 1.0, 2.0}
     else:
         assert {seconds for _, _, seconds in observed} == {1.0}
+
+    engine, observed = engine_on_the_clock()
+    engine.generate([[1, 2, 3]], [SamplingParams(temperature=0.0, max_tokens=5)])
+    clock[0] += 1000  # no request: the loop waits
+    engine.generate([[7, 9, 11]], [SamplingParams(temperature=0.0, max_tokens=5)])
+    assert observed and all(seconds < 1000 for _, _, seconds in observed)
 
     order = itertools.cycle([3, 0])
     engine, observed = engine_on_the_clock(choose=lambda caps: next(order))
