@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 from dflash_serve.services.config import EngineConfig
 
 BASE_K_BUCKETS = (0, 1, 3, 7)
+PROBE_ROUNDS = 2  # a probe's rounds in a row: a round's wall time holds the next one's launch, of the same k
+OUTLIER_FACTOR = 2.0  # a round's wall time counts as at most this many times the current estimate
 
 
 def k_buckets(block_size: int, table: dict | None = None) -> tuple[int, ...]:
@@ -106,7 +108,11 @@ class RoundCosts:
     (`observe_round`) keep, per kind of round — an AR step, or speculative whatever its k — and
     measured batch size, a moving average of wall / predicted seconds that scales
     `round_seconds`; a kind and size never observed keeps the start-up prediction, which
-    underestimates it — so it is tried, and measured, once chosen. One factor serves every k > 0:
+    underestimates it — so it is tried, and measured, once chosen. The average falls faster than
+    it rises (`wall_rate_down`, `wall_rate`), and one observation counts for at most
+    OUTLIER_FACTOR times the estimate: on a shared host a round only ever takes longer than its
+    work (another process, a collection), and one slow round must not make a kind of round look
+    slow until the policy, no longer choosing it, never measures it again. One factor serves every k > 0:
     on the H100 at batch 32 it was 1.11, 1.13 and 1.14 for k = 1, 7 and 15 (1.20 for AR steps
     beside a drafter), and every speculative round keeps it current. A factor per k went stale
     for the ks the policy stopped choosing after a slow first observation, and it then verified
@@ -114,7 +120,8 @@ class RoundCosts:
     """
 
     def __init__(self, batch_sizes: Sequence[int], verify: dict[int, Sequence[float]],
-                 draft: Sequence[float] | None, *, draft_rate: float = 0.1, wall_rate: float = 0.05):
+                 draft: Sequence[float] | None, *, draft_rate: float = 0.1, wall_rate: float = 0.05,
+                 wall_rate_down: float = 0.25):
         self.batch_sizes = list(batch_sizes)
         if self.batch_sizes != sorted(set(self.batch_sizes)) or not self.batch_sizes:
             raise ValueError(f"batch sizes {batch_sizes} must be distinct and ascending")
@@ -129,7 +136,7 @@ class RoundCosts:
         self.measured_draft = draft is not None
         self.draft = monotone(draft) if draft is not None else [0.0] * len(self.batch_sizes)
         self.draft_rate = draft_rate
-        self.wall_rate = wall_rate
+        self.wall_rate, self.wall_rate_down = wall_rate, wall_rate_down
         self.wall_factor: dict[tuple[bool, int], float] = {}  # (k > 0, index of the nearest batch size) -> wall / predicted
 
     @property
@@ -164,8 +171,9 @@ class RoundCosts:
         if predicted <= 0 or seconds <= 0:
             return
         key = (k > 0, self._nearest(n))
-        ratio, old = seconds / predicted, self.wall_factor.get(key)
-        self.wall_factor[key] = ratio if old is None else old + self.wall_rate * (ratio - old)
+        old = self.wall_factor.get(key, 1.0)
+        ratio = min(seconds / predicted, OUTLIER_FACTOR * old)
+        self.wall_factor[key] = old + (self.wall_rate if ratio > old else self.wall_rate_down) * (ratio - old)
 
     def _nearest(self, n: int) -> int:
         """The index of the measured batch size nearest n (the smaller on a tie)."""
@@ -216,12 +224,12 @@ def monotone(values: Sequence[float]) -> list[float]:
 class SpeculationPolicy:
     """Chooses each round's k (see the module doc).
 
-    Exploration: after `probe_interval` AR rounds in a row, one round verifies the smallest
-    k > 0 — a cheap measurement of the first draft's acceptance, which gates every deeper one —
-    but only where speculating would pay at the prior acceptance (else no acceptance could make
-    it pay, and there is nothing to learn). A policy that chose AR under a bad spell thus
-    returns to speculating when acceptance recovers, at a cost of at most one probe round in
-    `probe_interval`.
+    Exploration: after `probe_interval` AR rounds in a row, PROBE_ROUNDS rounds verify the
+    smallest k > 0 — a cheap measurement of the first draft's acceptance, which gates every
+    deeper one, and of a speculative round's wall time — but only where speculating would pay at
+    the prior acceptance (else no acceptance could make it pay, and there is nothing to learn).
+    A policy that chose AR under a bad spell, or after slow rounds, thus returns to speculating
+    when acceptance or the host recovers, at a cost of PROBE_ROUNDS rounds in `probe_interval`.
     """
 
     def __init__(self, config: EngineConfig, block_size: int, costs: RoundCosts | None = None,
@@ -234,6 +242,7 @@ class SpeculationPolicy:
         self.tracker = tracker or AcceptanceTracker(max(block_size - 1, 0))
         self.probe_interval = probe_interval
         self._ar_rounds = 0  # AR rounds chosen in a row by the adaptive policy
+        self._probe_rounds_left = 0
 
     def needs_costs(self) -> bool:
         """Whether some batch size is left to the adaptive policy (the table does not cover all)."""
@@ -253,14 +262,18 @@ class SpeculationPolicy:
             return self._bucket_at_most(limit)
         if self.costs is None:
             raise RuntimeError("adaptive speculation has no round costs: call Engine.measure_round_costs() first")
+        probe = next(b for b in self.ks if b > 0)  # ≤ limit
+        if self._probe_rounds_left:
+            self._probe_rounds_left -= 1
+            return probe
         k = self._best_k(caps, limit, self.tracker.acceptance)
         if k:
             self._ar_rounds = 0
             return k
         self._ar_rounds += 1
         if self._ar_rounds >= self.probe_interval and self._best_k(caps, limit, [self.tracker.prior] * top):
-            self._ar_rounds = 0
-            return next(b for b in self.ks if b > 0)
+            self._ar_rounds, self._probe_rounds_left = 0, PROBE_ROUNDS - 1
+            return probe
         return 0
 
     def _bucket_at_most(self, k: int) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from dflash_serve.services.config import EngineConfig
@@ -161,14 +163,15 @@ def test_the_policy_learns_and_keeps_exploring_after_it_chose_ar():
         chosen.append(policy.choose([None]))
         policy.observe_round([chosen[-1]], [0])
         assert len(chosen) < 500
-    # AR rounds measure nothing; every probe_interval-th round probes the first draft (k = 1).
+    # AR rounds measure nothing; every probe_interval-th round starts a probe of the first draft
+    # (k = 1), two rounds long.
     chosen = [0]
-    for _ in range(64 * 20 - 1):
+    for _ in range(66 * 20 - 1):
         k = policy.choose([None])
         chosen.append(k)
         policy.observe_round([k], [0])
-    assert set(chosen) == {0, 1} and chosen.count(1) == 20
-    assert chosen[policy.probe_interval - 2] == 0 and chosen[policy.probe_interval - 1] == 1
+    runs = [(k, len(list(run))) for k, run in itertools.groupby(chosen)]
+    assert set(runs[:-1]) == {(0, policy.probe_interval - 1), (1, 2)} and runs[0][0] == 0
     # The drafter recovers: the probes measure it, and the policy speculates again.
     for _ in range(64 * 40):
         k = policy.choose([None])
@@ -193,14 +196,14 @@ def test_wall_times_of_rounds_correct_the_start_up_costs():
     assert policy.choose([None] * 8) == 15  # never observed: the prediction
     wall = lambda k: 3.0 if k else 1.0  # noqa: E731
     chosen = []
-    for _ in range(200):  # a speculative round's time corrects every k > 0; AR, once unmeasured, is tried
+    for _ in range(2000):  # a speculative round's time corrects every k > 0; AR, once unmeasured, is tried
         k = policy.choose([None] * 8)
         policy.observe_round_time(8, k, wall(k))
         chosen.append(k)
     assert set(chosen) == {0, 1, 15}
     # E[tokens] of any k at 0.5 is < 2, for 3× the time: AR, but for a probe every 64 rounds
-    assert set(chosen[-100:]) == {0, 1} and chosen[-100:].count(1) <= 2
-    assert costs.round_seconds(8, 15) == pytest.approx(3.0)
+    assert set(chosen[-100:]) == {0, 1} and chosen[-100:].count(1) <= 4
+    assert costs.round_seconds(8, 15) == pytest.approx(3.0, rel=0.05)
     assert costs.round_seconds(8, 0) == pytest.approx(1.0)
     # Another batch size keeps its own correction (none yet: the prediction).
     assert costs.round_seconds(32, 15) == pytest.approx(1.0)
@@ -210,7 +213,8 @@ def test_wall_times_are_a_moving_average_and_ignored_by_fixed_speculation():
     costs = _costs(lambda n, k: 2.0)
     costs.observe_round(1, 7, 4.0)
     costs.observe_round(1, 7, 2.0)
-    assert costs.round_seconds(1, 7) == pytest.approx(2.0 * (2.0 + 0.05 * (1.0 - 2.0)))
+    # From the prediction (factor 1): up at 0.05 towards 2 (4 s, capped at twice the estimate), then down at 0.25
+    assert costs.round_seconds(1, 7) == pytest.approx(2.0 * (1.05 + 0.25 * (1.0 - 1.05)))
     assert costs.round_seconds(1, 3) == costs.round_seconds(1, 7)  # one factor for every k > 0
     assert costs.round_seconds(1, 0) == 2.0  # AR steps keep their own
     fixed = _policy(_costs(lambda n, k: 2.0), speculation="fixed")
