@@ -108,11 +108,10 @@ class RoundCosts:
     (`observe_round`) keep, per kind of round — an AR step, or speculative whatever its k — and
     measured batch size, a moving average of wall / predicted seconds that scales
     `round_seconds`; a kind and size never observed keeps the start-up prediction, which
-    underestimates it — so it is tried, and measured, once chosen. The average falls faster than
-    it rises (`wall_rate_down`, `wall_rate`), and one observation counts for at most
-    OUTLIER_FACTOR times the estimate: on a shared host a round only ever takes longer than its
-    work (another process, a collection), and one slow round must not make a kind of round look
-    slow until the policy, no longer choosing it, never measures it again. One factor serves every k > 0:
+    underestimates it — so it is tried, and measured, once chosen. One observation counts for at
+    most OUTLIER_FACTOR times the estimate: on a shared host a round only ever takes longer than
+    its work (another process, a collection), and one slow round must not make a kind of round
+    look slow until the policy, no longer choosing it, never measures it again. One factor serves every k > 0:
     on the H100 at batch 32 it was 1.11, 1.13 and 1.14 for k = 1, 7 and 15 (1.20 for AR steps
     beside a drafter), and every speculative round keeps it current. A factor per k went stale
     for the ks the policy stopped choosing after a slow first observation, and it then verified
@@ -120,8 +119,7 @@ class RoundCosts:
     """
 
     def __init__(self, batch_sizes: Sequence[int], verify: dict[int, Sequence[float]],
-                 draft: Sequence[float] | None, *, draft_rate: float = 0.1, wall_rate: float = 0.05,
-                 wall_rate_down: float = 0.25):
+                 draft: Sequence[float] | None, *, draft_rate: float = 0.1, wall_rate: float = 0.05):
         self.batch_sizes = list(batch_sizes)
         if self.batch_sizes != sorted(set(self.batch_sizes)) or not self.batch_sizes:
             raise ValueError(f"batch sizes {batch_sizes} must be distinct and ascending")
@@ -136,7 +134,7 @@ class RoundCosts:
         self.measured_draft = draft is not None
         self.draft = monotone(draft) if draft is not None else [0.0] * len(self.batch_sizes)
         self.draft_rate = draft_rate
-        self.wall_rate, self.wall_rate_down = wall_rate, wall_rate_down
+        self.wall_rate = wall_rate
         self.wall_factor: dict[tuple[bool, int], float] = {}  # (k > 0, index of the nearest batch size) -> wall / predicted
 
     @property
@@ -173,7 +171,7 @@ class RoundCosts:
         key = (k > 0, self._nearest(n))
         old = self.wall_factor.get(key, 1.0)
         ratio = min(seconds / predicted, OUTLIER_FACTOR * old)
-        self.wall_factor[key] = old + (self.wall_rate if ratio > old else self.wall_rate_down) * (ratio - old)
+        self.wall_factor[key] = old + self.wall_rate * (ratio - old)
 
     def _nearest(self, n: int) -> int:
         """The index of the measured batch size nearest n (the smaller on a tie)."""

@@ -213,8 +213,8 @@ def test_wall_times_are_a_moving_average_and_ignored_by_fixed_speculation():
     costs = _costs(lambda n, k: 2.0)
     costs.observe_round(1, 7, 4.0)
     costs.observe_round(1, 7, 2.0)
-    # From the prediction (factor 1): up at 0.05 towards 2 (4 s, capped at twice the estimate), then down at 0.25
-    assert costs.round_seconds(1, 7) == pytest.approx(2.0 * (1.05 + 0.25 * (1.0 - 1.05)))
+    # From the prediction (factor 1) towards 2 (4 s, capped at twice the estimate), then towards 1
+    assert costs.round_seconds(1, 7) == pytest.approx(2.0 * (1.05 + 0.05 * (1.0 - 1.05)))
     assert costs.round_seconds(1, 3) == costs.round_seconds(1, 7)  # one factor for every k > 0
     assert costs.round_seconds(1, 0) == 2.0  # AR steps keep their own
     fixed = _policy(_costs(lambda n, k: 2.0), speculation="fixed")
