@@ -111,11 +111,10 @@ class RoundCosts:
     underestimates it — so it is tried, and measured, once chosen. One observation counts for at
     most OUTLIER_FACTOR times the estimate: on a shared host a round only ever takes longer than
     its work (another process, a collection), and one slow round must not make a kind of round
-    look slow until the policy, no longer choosing it, never measures it again. One factor serves every k > 0:
-    on the H100 at batch 32 it was 1.11, 1.13 and 1.14 for k = 1, 7 and 15 (1.20 for AR steps
-    beside a drafter), and every speculative round keeps it current. A factor per k went stale
-    for the ks the policy stopped choosing after a slow first observation, and it then verified
-    7 drafts at batch 1 where 15 paid.
+    look slow until the policy, no longer choosing it, never measures it again. One factor
+    serves every k > 0: on the H100 at batch 32 it was 1.11, 1.13 and 1.14 for k = 1, 7 and 15
+    (1.20 for AR steps beside a drafter), and every speculative round keeps it current, where a
+    factor per k kept, for the ks the policy stopped choosing, whatever their few rounds said.
     """
 
     def __init__(self, batch_sizes: Sequence[int], verify: dict[int, Sequence[float]],
@@ -240,6 +239,7 @@ class SpeculationPolicy:
         self.tracker = tracker or AcceptanceTracker(max(block_size - 1, 0))
         self.probe_interval = probe_interval
         self._ar_rounds = 0  # AR rounds chosen in a row by the adaptive policy
+        self._probe_k = next((b for b in self.ks if b > 0), 0)  # the smallest k > 0
         self._probe_rounds_left = 0
 
     def needs_costs(self) -> bool:
@@ -260,10 +260,9 @@ class SpeculationPolicy:
             return self._bucket_at_most(limit)
         if self.costs is None:
             raise RuntimeError("adaptive speculation has no round costs: call Engine.measure_round_costs() first")
-        probe = next(b for b in self.ks if b > 0)  # ≤ limit
-        if self._probe_rounds_left:
+        if self._probe_rounds_left:  # the probe's k is ≤ limit: limit ≥ 1 here
             self._probe_rounds_left -= 1
-            return probe
+            return self._probe_k
         k = self._best_k(caps, limit, self.tracker.acceptance)
         if k:
             self._ar_rounds = 0
@@ -271,7 +270,7 @@ class SpeculationPolicy:
         self._ar_rounds += 1
         if self._ar_rounds >= self.probe_interval and self._best_k(caps, limit, [self.tracker.prior] * top):
             self._ar_rounds, self._probe_rounds_left = 0, PROBE_ROUNDS - 1
-            return probe
+            return self._probe_k
         return 0
 
     def _bucket_at_most(self, k: int) -> int:

@@ -183,7 +183,6 @@ def test_forced_k_with_prefix_cache_hits_across_turns(pair):
     assert cached.allocator.num_free == cached.allocator.num_blocks
 
 
-
 def test_round_wall_times_leave_out_prefills_and_launches_of_another_k(pair, chain_rounds, monkeypatch):
     """The policy weighs each k by the wall time its rounds add to the loop: from the later of a
     round's launch and the last round's read, to its read. On a fake clock where a prefill takes
