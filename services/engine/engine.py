@@ -23,6 +23,9 @@ SGLang's overlap scheduler). Its KV blocks are taken for two rounds ahead (num_c
 slot's feature row is injected (rows past the accepted ones are never read: the next draft
 overwrites them first), and a round for a request that ended meanwhile is dropped unread. A new
 request, a preemption or a new drafter ends the chain: the host reads the round, then schedules.
+Prompts whose prefill completes in a step join that step's round, from the first tokens their
+prefill sampled on the device, which the host reads once the round is launched: the next round
+chains again, and the device runs the prefill and the round back to back.
 A drafter in another process chains too: its draft request goes out first, naming bonus tokens
 that only the device knows yet, and the host commits the last round while the drafter drafts.
 
@@ -57,7 +60,7 @@ from dflash_serve.services.engine.kv_cache import AttentionBatch, BlockAllocator
 from dflash_serve.services.engine.prefill_graphs import PrefillChunkView, PrefillGraphs
 from dflash_serve.services.engine.request import RequestOutput, Sequence, SequenceStatus
 from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, accept_drafts, resolve_seed, sample_tokens
-from dflash_serve.services.engine.scheduler import PrefillChunk, Scheduler
+from dflash_serve.services.engine.scheduler import PrefillChunk, Scheduler, StepPlan
 from dflash_serve.services.engine.speculation import RoundCosts, SpeculationPolicy, time_call
 from dflash_serve.services.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
 from dflash_serve.services.engine.target_runner import TargetRunner
@@ -135,6 +138,7 @@ class _Round:
     launched_at: float  # perf_counter() when the host began to launch it
     finished: bool = False  # read and committed
     timed: bool = True  # its wall time is the policy's to observe (`_observe_round_time`)
+    behind_prefill: bool = False  # launched after a prefill in the same step
 
 
 @dataclass
@@ -148,6 +152,14 @@ class _Group:
     # Drafts the next round verifies: asked for when > 0 (0: an AR round); None: nothing was
     # asked, the group stops (so do both, at the next step).
     k: int | None = None
+
+
+@dataclass
+class _FirstTokens:
+    """The first tokens a prefill sampled for fresh sequences, on the device, not read yet."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [len(seqs)]
 
 
 @dataclass
@@ -300,6 +312,10 @@ class Engine:
             # there, then read it — the GPU never waits for Python between rounds.
             lookahead = self.block_size  # what the new round writes, even if it loses its drafter
             self._in_flight = self._guarded(self._launch_round, previous.seqs, previous.seqs, previous)
+            if self._in_flight is not None and previous.behind_prefill:
+                # The host, busy with the prefill's step, reads `previous` late: the new round runs
+                # partly before that read, and the interval from it is short (0.7 of a round on the H100).
+                self._in_flight.timed = False
             self._guarded(self._finish_round, previous, previous.seqs, lookahead)
             self._observe_round_time(previous, self._in_flight)
         else:
@@ -314,19 +330,28 @@ class Engine:
             for chunk in plan.prefills:
                 if chunk.seq.scheduled_time is None:
                     chunk.seq.scheduled_time = now
+            first = None
             if plan.prefills:
-                self._guarded(self._prefill, plan.prefills, [c.seq for c in plan.prefills])
-            if plan.decodes and self._two_groups_fit(plan.decodes):
-                self._guarded(self._start_groups, plan.decodes, plan.decodes)
-            elif plan.decodes:
-                launched = self._guarded(self._launch_round, plan.decodes, plan.decodes)
-                if launched is not None:
-                    launched.timed = not plan.prefills  # else it queued behind the prefill's forwards
+                first = self._guarded(self._prefill, plan.prefills, [c.seq for c in plan.prefills])
+            # Prompts prefilled now join this step's round: a step of their own would break the chain.
+            decodes = self._join_round(plan, first)
+            if decodes and self._two_groups_fit(decodes):
+                self._commit_first_tokens(first)  # the groups' first turns start from the host's bonus tokens
+                decodes = [s for s in decodes if s.status is SequenceStatus.RUNNING]
+                self._guarded(self._start_groups, decodes, decodes)
+            elif decodes:
+                launched = self._guarded(self._launch_round, decodes, decodes, None, None, first)
+                # Read after the launch: the device runs the round while the host waits for them.
+                self._commit_first_tokens(first)
+                if launched is not None and plan.prefills:  # it queued behind the prefill's forwards
+                    launched.timed, launched.behind_prefill = False, True
                 if launched is not None and launched.chainable:
                     self._in_flight = launched
                 elif launched is not None:
                     self._guarded(self._finish_round, launched, launched.seqs)
                     self._observe_round_time(launched)
+            else:
+                self._commit_first_tokens(first)
         outputs, self._outputs = self._outputs, []
         return outputs
 
@@ -335,8 +360,8 @@ class Engine:
         launch and the last round's read, which is what it added to the serving loop — the step
         period of chained rounds, launch to read for one that ran alone (the first after the
         batch changed: most rounds at high concurrency, where requests end every few rounds).
-        Not a round that queued behind a prefill, nor one whose time also holds the host's
-        launch of a round of another k (`launched_next`)."""
+        Not a round that queued behind a prefill, or was chained on one, nor one whose time also
+        holds the host's launch of a round of another k (`launched_next`)."""
         now = time.perf_counter()
         start = rnd.launched_at if self._last_read_at is None else max(rnd.launched_at, self._last_read_at)
         self._last_read_at = now
@@ -486,7 +511,8 @@ class Engine:
                     seq.error = f"{type(err).__name__}: {err}"
                     self._finish(seq, FinishReason.ERROR)
 
-    def _prefill(self, chunks: list[PrefillChunk]) -> None:
+    def _prefill(self, chunks: list[PrefillChunk]) -> _FirstTokens | None:
+        """Prefill the chunks; the first tokens of the prompts they complete, sampled and not read."""
         t0 = time.perf_counter()
         # Fresh sequences whose prompt completes now sample their first token from their last row.
         sampling = [i for i, c in enumerate(chunks) if c.completes_prefill and not c.seq.output_ids]
@@ -508,17 +534,46 @@ class Engine:
         for c in chunks:
             c.seq.num_cached = c.start + c.length
             self.scheduler.offer_committed_blocks(c.seq)
+        first = None
         if sampling:
             seqs = [chunks[i].seq for i in sampling]
-            first = sample_tokens(
+            tokens = sample_tokens(
                 logits[:, None], self._sampling_batch(seqs),
                 to_device([[s.num_cached] for s in seqs], torch.long, self.device),
             )
-            now = time.monotonic()
-            for seq, token in zip(seqs, first[:, 0].tolist(), strict=True):
+            first = _FirstTokens(seqs, tokens[:, 0])
+        self.timings.prefill += time.perf_counter() - t0
+        return first
+
+    def _commit_first_tokens(self, first: _FirstTokens | None) -> None:
+        """Read the first tokens a prefill sampled and commit them (they may end their requests)."""
+        if first is None:
+            return
+        now = time.monotonic()
+        for seq, token in zip(first.seqs, first.tokens.tolist(), strict=True):
+            if seq.status is SequenceStatus.RUNNING:  # not failed or cancelled since
                 seq.first_token_time = now
                 self._commit(seq, [token])
-        self.timings.prefill += time.perf_counter() - t0
+
+    def _join_round(self, plan: StepPlan, first: _FirstTokens | None) -> list[Sequence]:
+        """The step's round: the plan's decoding sequences, and the ones whose prefill it completed
+        that have KV blocks for a round — a fresh one from the first token its prefill sampled
+        (still on the device), unless that token is all it may generate. In the scheduler's order,
+        so that the next round chains on this one while the batch stays the same."""
+        fresh = set() if first is None else {id(s) for s in first.seqs}
+        joining = []
+        for chunk in plan.prefills:
+            seq = chunk.seq
+            if (not chunk.completes_prefill or seq.status is not SequenceStatus.RUNNING
+                    or (id(seq) in fresh and seq.params.max_tokens <= 1)):
+                continue
+            if self.allocator.can_hold(seq.block_table, seq.num_cached + self.block_size):
+                self.allocator.grow(seq.block_table, seq.num_cached + self.block_size)
+                joining.append(seq)
+        if not joining:
+            return plan.decodes
+        order = {id(s): i for i, s in enumerate(self.scheduler.running)}
+        return sorted(plan.decodes + joining, key=lambda s: order[id(s)])
 
     def _eager_prefill(self, chunks: list[PrefillChunk], sampling: list[int]):
         """The target's forward over the packed chunks, launched op by op: (logits of each sampled
@@ -559,7 +614,7 @@ class Engine:
         return k
 
     def _launch_round(self, seqs: list[Sequence], previous: _Round | None = None,
-                      group: _Group | None = None) -> _Round:
+                      group: _Group | None = None, first: _FirstTokens | None = None) -> _Round:
         """Queue one round for `seqs` on the device — draft, verify, sample, accept — and return
         it unread; `_finish_round` commits it. With `previous` (the last round, which the host has
         not read yet) the bonus tokens and starts come from its results on the device. A group's
@@ -569,7 +624,7 @@ class Engine:
         n = len(seqs)
         ids, tables = [s.request_id for s in seqs], [s.block_table for s in seqs]
         if previous is None:
-            bonus_ids, starts = [s.bonus for s in seqs], [s.num_cached for s in seqs]
+            bonus_ids, starts = self._bonus_tokens(seqs, first)
         else:
             bonus_ids, starts = previous.next_bonus, previous.next_starts
         proposer = self.proposer
@@ -642,6 +697,20 @@ class Engine:
             next_starts=inputs.starts + accepted + 1, clock=clock, chainable=self.chain_rounds, context=context,
             launched_at=t0,
         )
+
+    def _bonus_tokens(self, seqs: list[Sequence], first: _FirstTokens | None
+                      ) -> tuple[list[int] | torch.Tensor, list[int] | torch.Tensor]:
+        """Bonus tokens and starts of an unchained round: the host's, or on the device where the
+        round holds sequences whose first token this step's prefill sampled (not read yet)."""
+        bonus, starts = [s.bonus for s in seqs], [s.num_cached for s in seqs]
+        rows = {} if first is None else {id(s): i for i, s in enumerate(first.seqs)}
+        at = [i for i, s in enumerate(seqs) if id(s) in rows]
+        if not at:
+            return bonus, starts
+        bonus_t = to_device(bonus, torch.long, self.device)
+        bonus_t[to_device(at, torch.long, self.device)] = first.tokens[
+            to_device([rows[id(seqs[i])] for i in at], torch.long, self.device)]
+        return bonus_t, to_device(starts, torch.long, self.device)
 
     def _round_inputs(self, n: int, k: int, bonus_ids: list[int] | torch.Tensor, starts: list[int] | torch.Tensor,
                       tables: list[list[int]]) -> _RoundInputs:

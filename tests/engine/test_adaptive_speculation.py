@@ -186,7 +186,8 @@ def test_forced_k_with_prefix_cache_hits_across_turns(pair):
 def test_round_wall_times_leave_out_prefills_and_launches_of_another_k(pair, chain_rounds, monkeypatch):
     """The policy weighs each k by the wall time its rounds add to the loop: from the later of a
     round's launch and the last round's read, to its read. On a fake clock where a prefill takes
-    1000 s and launching a round 1 s: no observed time holds a prefill; a round launched alone
+    1000 s and launching a round 1 s: no observed time holds a prefill, nor is the round chained
+    on the prefill's round observed; a round launched alone
     after its batch changed (a request ended) is observed — chained, its own launch and the
     next one's, 2 s; synced, 1 s each — and when k alternates every round, no chained round is
     observed with time in it, which would hold the host's launch of a round of the other k. A
@@ -215,6 +216,9 @@ def test_round_wall_times_leave_out_prefills_and_launches_of_another_k(pair, cha
     assert observed and all(seconds < 1000 for _, _, seconds in observed)
     if chain_rounds:
         assert (1, 3, 2.0) in observed  # the second request's first round alone
+        # At batch 2: the prefill's round, the one chained on it (the host read that one late), one more,
+        # and the one in flight when the first request ended: only the third is observed.
+        assert [n for n, _, _ in observed].count(2) == 1
         assert {seconds for _, _, seconds in observed} <= {0.0, 1.0, 2.0}
     else:
         assert {seconds for _, _, seconds in observed} == {1.0}

@@ -217,3 +217,35 @@ def test_chained_rounds_run_a_round_ahead_and_fall_back_when_blocks_run_short(ta
     assert True in grown and False in grown, grown  # chained, then synced for lack of blocks
     assert tight.sequences["q0"].output_ids == refs["q0"][5:28]
     assert tight.allocator.num_free == tight.allocator.num_blocks
+
+
+def test_prompts_join_the_round_of_the_step_that_prefills_them(target):
+    """A prompt whose prefill completes in a step decodes in that step's round, from the first
+    token its prefill sampled (on the device, read after the round is launched): one step less per
+    admission, and with chained rounds the next round chains on it. A prompt chunked over several
+    steps joins in its last one; one that may generate only its first token does not join; one
+    whose first token is a stop token joins and ends — the round wasted on it is dropped, and no
+    block leaks. Every output is the target's own."""
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 90)), [40, 41]]
+    refs, oracle = _oracle(target, prompts, 12)
+    decoded = set(refs["q0"][5:17] + refs["q1"][80:92])
+    # q3's first token, as EOS, ends q3 there (and no other request: none decodes it)
+    prompts.append(next(p for i in range(80) if hf_greedy(target, p := [i, i + 1, i + 2], 1)[0] not in decoded))
+    refs, oracle = _oracle(target, prompts, 12)
+    stop_at_first = refs["q3"][3]
+    engine = build_engine(target, proposer=oracle, max_prefill_tokens=64, eos=(stop_at_first,))
+    params = {"q0": 12, "q1": 12, "q2": 1, "q3": 12}
+    for rid, p in zip(refs, prompts, strict=True):
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=params[rid]), rid)
+    engine.step()  # prefills q0 and the first 59 tokens of q1 (64-token budget)
+    assert {rid for rid in refs if oracle.planned[rid]} == {"q0"}
+    engine.step()  # q1's last 21 tokens, q2 and q3: q1 and q3 join, q2 (max_tokens 1) does not
+    assert {rid for rid in refs if oracle.planned[rid]} == {"q0", "q1", "q3"}
+    assert engine.sequences["q2"].output_ids == refs["q2"][2:3] and engine.sequences["q3"].output_ids == [stop_at_first]
+    while engine.has_unfinished():
+        engine.step()
+    engine.drain()
+    for rid in ("q0", "q1"):
+        p = prompts[int(rid[1])]
+        assert engine.sequences[rid].output_ids == refs[rid][len(p) : len(p) + 12]
+    assert engine.allocator.num_free == engine.allocator.num_blocks

@@ -51,7 +51,7 @@ def test_cuda_engine_equals_plain_greedy(graphs, with_drafter, target_impl, asyn
     prompts = [[1, 2, 3], list(range(5, 40)), [7] * 9]  # 3 sequences: a padded bucket of 4
     chained = []
     launch = engine._launch_round
-    engine._launch_round = lambda seqs, previous=None: chained.append(previous is not None) or launch(seqs, previous)
+    engine._launch_round = lambda seqs, previous=None, *rest: chained.append(previous is not None) or launch(seqs, previous, *rest)
     done = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40))
     assert any(chained) == async_scheduling
     with torch.no_grad():
@@ -306,7 +306,7 @@ def test_cuda_graphs_per_k_bucket_stay_lossless(async_scheduling):
     engine.speculation.choose = lambda caps: next(order)
     launched = []
     launch = engine._launch_round
-    engine._launch_round = lambda seqs, previous=None: launched.append(previous is not None) or launch(seqs, previous)
+    engine._launch_round = lambda seqs, previous=None, *rest: launched.append(previous is not None) or launch(seqs, previous, *rest)
     done = engine.generate(prompts, params)
     assert [s.output_ids for s in done] == reference
     assert set(replayed) == set(graphs.k_buckets)  # every round replayed a graph, of every k
