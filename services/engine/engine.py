@@ -559,7 +559,11 @@ class Engine:
         """The step's round: the plan's decoding sequences, and the ones whose prefill it completed
         that have KV blocks for a round — a fresh one from the first token its prefill sampled
         (still on the device), unless that token is all it may generate. In the scheduler's order,
-        so that the next round chains on this one while the batch stays the same."""
+        so that the next round chains on this one while the batch stays the same. Nobody joins a
+        step with nothing decoding: it returns their first tokens at once, not after launching a
+        round (at c = 1, every request's time to first token would hold that launch)."""
+        if not plan.decodes:
+            return plan.decodes
         fresh = set() if first is None else {id(s) for s in first.seqs}
         joining = []
         for chunk in plan.prefills:

@@ -220,12 +220,13 @@ def test_chained_rounds_run_a_round_ahead_and_fall_back_when_blocks_run_short(ta
 
 
 def test_prompts_join_the_round_of_the_step_that_prefills_them(target):
-    """A prompt whose prefill completes in a step decodes in that step's round, from the first
-    token its prefill sampled (on the device, read after the round is launched): one step less per
-    admission, and with chained rounds the next round chains on it. A prompt chunked over several
-    steps joins in its last one; one that may generate only its first token does not join; one
-    whose first token is a stop token joins and ends — the round wasted on it is dropped, and no
-    block leaks. Every output is the target's own."""
+    """A prompt whose prefill completes in a step where others decode joins their round, from the
+    first token its prefill sampled (on the device, read after the round is launched): one step
+    less per admission, and with chained rounds the next round chains on it. In a step where
+    nothing decodes none joins (the first tokens go out without waiting for a launch). A prompt
+    chunked over several steps joins in its last one; one that may generate only its first token
+    does not join; one whose first token is a stop token joins and ends — the round wasted on it
+    is dropped, and no block leaks. Every output is the target's own."""
     prompts = [[5, 6, 7, 8, 9], list(range(10, 90)), [40, 41]]
     refs, oracle = _oracle(target, prompts, 12)
     decoded = set(refs["q0"][5:17] + refs["q1"][80:92])
@@ -237,9 +238,9 @@ def test_prompts_join_the_round_of_the_step_that_prefills_them(target):
     params = {"q0": 12, "q1": 12, "q2": 1, "q3": 12}
     for rid, p in zip(refs, prompts, strict=True):
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=params[rid]), rid)
-    engine.step()  # prefills q0 and the first 59 tokens of q1 (64-token budget)
-    assert {rid for rid in refs if oracle.planned[rid]} == {"q0"}
-    engine.step()  # q1's last 21 tokens, q2 and q3: q1 and q3 join, q2 (max_tokens 1) does not
+    engine.step()  # prefills q0 and the first 59 tokens of q1 (64-token budget); nothing decodes yet
+    assert not any(oracle.planned.values()) and engine.sequences["q0"].output_ids == refs["q0"][5:6]
+    engine.step()  # q0's round; q1's last 21 tokens, q2 and q3: q1 and q3 join it, q2 (max_tokens 1) does not
     assert {rid for rid in refs if oracle.planned[rid]} == {"q0", "q1", "q3"}
     assert engine.sequences["q2"].output_ids == refs["q2"][2:3] and engine.sequences["q3"].output_ids == [stop_at_first]
     while engine.has_unfinished():
