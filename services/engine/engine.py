@@ -23,9 +23,9 @@ SGLang's overlap scheduler). Its KV blocks are taken for two rounds ahead (num_c
 slot's feature row is injected (rows past the accepted ones are never read: the next draft
 overwrites them first), and a round for a request that ended meanwhile is dropped unread. A new
 request, a preemption or a new drafter ends the chain: the host reads the round, then schedules.
-Prompts whose prefill completes in a step join that step's round, from the first tokens their
-prefill sampled on the device, which the host reads once the round is launched: the next round
-chains again, and the device runs the prefill and the round back to back.
+Prompts whose prefill completes in a step where others decode join that step's round, from the
+first tokens their prefill sampled on the device, which the host reads once the round is
+launched: the next round chains again, and the device runs the prefill and the round back to back.
 A drafter in another process chains too: its draft request goes out first, naming bonus tokens
 that only the device knows yet, and the host commits the last round while the drafter drafts.
 
