@@ -60,7 +60,7 @@ from dflash_serve.services.engine.kv_cache import AttentionBatch, BlockAllocator
 from dflash_serve.services.engine.prefill_graphs import PrefillChunkView, PrefillGraphs
 from dflash_serve.services.engine.request import RequestOutput, Sequence, SequenceStatus
 from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, accept_drafts, resolve_seed, sample_tokens
-from dflash_serve.services.engine.scheduler import PrefillChunk, Scheduler, StepPlan
+from dflash_serve.services.engine.scheduler import PrefillChunk, Scheduler
 from dflash_serve.services.engine.speculation import RoundCosts, SpeculationPolicy, time_call
 from dflash_serve.services.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
 from dflash_serve.services.engine.target_runner import TargetRunner
@@ -333,8 +333,7 @@ class Engine:
             first = None
             if plan.prefills:
                 first = self._guarded(self._prefill, plan.prefills, [c.seq for c in plan.prefills])
-            # Prompts prefilled now join this step's round: a step of their own would break the chain.
-            decodes = self._join_round(plan, first)
+            decodes = [s for s in plan.decodes if s.status is SequenceStatus.RUNNING]  # a failed prefill ended some
             if decodes and self._two_groups_fit(decodes):
                 self._commit_first_tokens(first)  # the groups' first turns start from the host's bonus tokens
                 decodes = [s for s in decodes if s.status is SequenceStatus.RUNNING]
@@ -555,30 +554,6 @@ class Engine:
                 seq.first_token_time = now
                 self._commit(seq, [token])
 
-    def _join_round(self, plan: StepPlan, first: _FirstTokens | None) -> list[Sequence]:
-        """The step's round: the plan's decoding sequences, and the ones whose prefill it completed
-        that have KV blocks for a round — a fresh one from the first token its prefill sampled
-        (still on the device), unless that token is all it may generate. In the scheduler's order,
-        so that the next round chains on this one while the batch stays the same. Nobody joins a
-        step with nothing decoding: it returns their first tokens at once, not after launching a
-        round (at c = 1, every request's time to first token would hold that launch)."""
-        if not plan.decodes:
-            return plan.decodes
-        fresh = set() if first is None else {id(s) for s in first.seqs}
-        joining = []
-        for chunk in plan.prefills:
-            seq = chunk.seq
-            if (not chunk.completes_prefill or seq.status is not SequenceStatus.RUNNING
-                    or (id(seq) in fresh and seq.params.max_tokens <= 1)):
-                continue
-            if self.allocator.can_hold(seq.block_table, seq.num_cached + self.block_size):
-                self.allocator.grow(seq.block_table, seq.num_cached + self.block_size)
-                joining.append(seq)
-        if not joining:
-            return plan.decodes
-        order = {id(s): i for i, s in enumerate(self.scheduler.running)}
-        return sorted(plan.decodes + joining, key=lambda s: order[id(s)])
-
     def _eager_prefill(self, chunks: list[PrefillChunk], sampling: list[int]):
         """The target's forward over the packed chunks, launched op by op: (logits of each sampled
         chunk's last row, features, positions, KV slots)."""
@@ -711,10 +686,10 @@ class Engine:
         at = [i for i, s in enumerate(seqs) if id(s) in rows]
         if not at:
             return bonus, starts
-        bonus_t = to_device(bonus, torch.long, self.device)
-        bonus_t[to_device(at, torch.long, self.device)] = first.tokens[
-            to_device([rows[id(seqs[i])] for i in at], torch.long, self.device)]
-        return bonus_t, to_device(starts, torch.long, self.device)
+        bonus_t, starts_t = to_device([bonus, starts], torch.long, self.device)
+        into, take = to_device([at, [rows[id(seqs[i])] for i in at]], torch.long, self.device)
+        bonus_t[into] = first.tokens[take]
+        return bonus_t, starts_t
 
     def _round_inputs(self, n: int, k: int, bonus_ids: list[int] | torch.Tensor, starts: list[int] | torch.Tensor,
                       tables: list[list[int]]) -> _RoundInputs:

@@ -1,8 +1,9 @@
 """Continuous batching: which sequences prefill and which run a speculative round this step.
 
 Requests join and leave between steps. Every running sequence that has finished its prefill runs
-one round per step; prompts are prefilled in chunks under a per-step token budget so a long prompt
-does not stall the others. KV blocks are taken before each step (the round's lookahead included)
+one round per step, and one whose prefill completes in a step where others decode runs that
+step's round too (from the first token its prefill samples); prompts are prefilled in chunks
+under a per-step token budget so a long prompt does not stall the others. KV blocks are taken before each step (the round's lookahead included)
 and, when they run out, the most recently admitted sequence is preempted: its blocks are freed
 and it is prefilled again later from its prompt and the tokens it already produced (recompute).
 
@@ -38,8 +39,9 @@ class PrefillChunk:
 @dataclass
 class StepPlan:
     prefills: list[PrefillChunk] = field(default_factory=list)
-    decodes: list[Sequence] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)  # the step's round, in the running order
     preempted: list[Sequence] = field(default_factory=list)
+    joining: list[Sequence] = field(default_factory=list)  # in `decodes` too: their prefill completes this step
 
     def __bool__(self) -> bool:
         return bool(self.prefills or self.decodes)
@@ -177,7 +179,29 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+
+        # 3. Prompts whose prefill completes now decode in this step's round too, if others do (a step
+        #    of their own would break the chain of rounds; with nothing decoding, the step returns their
+        #    first tokens at once, not after a round's launch).
+        if plan.decodes:
+            plan.joining = [c.seq for c in plan.prefills if self._joins_round(c)]
+        if plan.joining:
+            members = {id(s) for s in plan.decodes + plan.joining}
+            plan.decodes = [s for s in self.running if id(s) in members]  # so that later rounds chain on it
         return plan
+
+    def _joins_round(self, chunk: PrefillChunk) -> bool:
+        """Whether the sequence of a planned chunk decodes in this step's round: its prefill
+        completes, it may generate more than the first token (which a fresh one samples from its
+        prefill), and blocks hold the round's lookahead (taken here)."""
+        seq = chunk.seq
+        if not chunk.completes_prefill or (not seq.output_ids and seq.params.max_tokens <= 1):
+            return False
+        need = seq.prefill_target + self.lookahead
+        if not self.allocator.can_hold(seq.block_table, need):
+            return False
+        self.allocator.grow(seq.block_table, need)
+        return True
 
     def _plan_chunk(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
         length = min(seq.prefill_target - seq.num_cached, budget)
