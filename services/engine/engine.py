@@ -21,11 +21,14 @@ launched from the device's bonus tokens and starts before the host has read them
 stop checks and streaming of round r overlap the device's round r+1 (vLLM's async scheduling,
 SGLang's overlap scheduler). Its KV blocks are taken for two rounds ahead (num_cached + 2B), every
 slot's feature row is injected (rows past the accepted ones are never read: the next draft
-overwrites them first), and a round for a request that ended meanwhile is dropped unread. A new
-request, a preemption or a new drafter ends the chain: the host reads the round, then schedules.
-Prompts whose prefill completes in a step where others decode join that step's round, from the
-first tokens their prefill sampled on the device, which the host reads once the round is
-launched: the next round chains again, and the device runs the prefill and the round back to back.
+overwrites them first), and a round for a request that ended meanwhile is dropped unread. When
+the batch changes — a request ended, one is admitted — the step schedules before reading the round
+in flight: the sequences that stay start from its results on the device, and prompts whose prefill
+completes in a step where others decode join the round from the first tokens their prefill
+sampled on the device; the host reads both once the round is launched, so the device runs the
+last round, the prefill and the next round back to back. A preemption, a sequence decoding that
+the round in flight does not hold, a new drafter or one in another process make the host read the
+round first, then schedule.
 A drafter in another process chains too: its draft request goes out first, naming bonus tokens
 that only the device knows yet, and the host commits the last round while the drafter drafts.
 
@@ -160,6 +163,13 @@ class _FirstTokens:
 
     seqs: list[Sequence]
     tokens: torch.Tensor  # [len(seqs)]
+
+
+def _rows_held(seqs: list[Sequence], source: _Round | _FirstTokens | None) -> list[list[int]]:
+    """[indices into `seqs`, their rows in `source`] of the sequences `source` holds."""
+    rows = {} if source is None else {id(s): i for i, s in enumerate(source.seqs)}
+    at = [i for i, s in enumerate(seqs) if id(s) in rows]
+    return [at, [rows[id(seqs[i])] for i in at]]
 
 
 @dataclass
@@ -319,7 +329,11 @@ class Engine:
             self._guarded(self._finish_round, previous, previous.seqs, lookahead)
             self._observe_round_time(previous, self._in_flight)
         else:
-            if previous is not None:
+            # The batch changes. Where the sequences that stay can chain on the round in flight, the
+            # next round is scheduled and launched before that round is read (`_chains_across`).
+            chained_on = previous if previous is not None and self._chains_across(previous) else None
+            lookahead = self.block_size  # what a round launched on it writes, even if it loses its drafter
+            if previous is not None and chained_on is None:
                 # A round holding a request that ended before it was read was wasted on it, and
                 # the loop may have waited for new work since: its time is not a round's.
                 previous.timed &= all(s.status is SequenceStatus.RUNNING for s in previous.seqs)
@@ -334,23 +348,28 @@ class Engine:
             if plan.prefills:
                 first = self._guarded(self._prefill, plan.prefills, [c.seq for c in plan.prefills])
             decodes = [s for s in plan.decodes if s.status is SequenceStatus.RUNNING]  # a failed prefill ended some
-            if decodes and self._two_groups_fit(decodes):
+            launched = None
+            if decodes and chained_on is None and self._two_groups_fit(decodes):
                 self._commit_first_tokens(first)  # the groups' first turns start from the host's bonus tokens
+                first = None
                 decodes = [s for s in decodes if s.status is SequenceStatus.RUNNING]
                 self._guarded(self._start_groups, decodes, decodes)
             elif decodes:
-                launched = self._guarded(self._launch_round, decodes, decodes, None, None, first)
-                # Read after the launch: the device runs the round while the host waits for them.
-                self._commit_first_tokens(first)
+                launched = self._guarded(self._launch_round, decodes, decodes, chained_on, None, first)
                 if launched is not None and plan.prefills:  # it queued behind the prefill's forwards
                     launched.timed, launched.behind_prefill = False, True
-                if launched is not None and launched.chainable:
-                    self._in_flight = launched
-                elif launched is not None:
-                    self._guarded(self._finish_round, launched, launched.seqs)
-                    self._observe_round_time(launched)
-            else:
-                self._commit_first_tokens(first)
+            if chained_on is not None:
+                # Also wasted on requests that ended, and behind a prefill the host read it late.
+                chained_on.timed &= not plan.prefills and all(s.status is SequenceStatus.RUNNING for s in chained_on.seqs)
+                self._guarded(self._finish_round, chained_on, chained_on.seqs, lookahead)
+                self._observe_round_time(chained_on, launched)
+            # Read after the launch: the device runs the round while the host waits for them.
+            self._commit_first_tokens(first)
+            if launched is not None and launched.chainable:
+                self._in_flight = launched
+            elif launched is not None:
+                self._guarded(self._finish_round, launched, launched.seqs)
+                self._observe_round_time(launched)
         outputs, self._outputs = self._outputs, []
         return outputs
 
@@ -372,6 +391,24 @@ class Engine:
         ended, none waiting to be admitted, the same drafter) and KV blocks for both rounds."""
         return (self.proposer is previous.proposer and self._batch_stays(previous.seqs)
                 and self.scheduler.grow_for_chained_round(previous.seqs))
+
+    def _chains_across(self, previous: _Round) -> bool:
+        """Whether the next round, over a changed batch, can start from `previous`'s results on the
+        device before the host reads them: the sequences of `previous` that still run, and prompts
+        that join it, in place of requests that ended. Not where a sequence decodes that
+        `previous` does not hold (its tokens are the host's, and blocks for it might preempt one
+        in flight), nor with another drafter, nor with a drafter in another process (its context
+        after acceptance and drafts asked ahead follow the batch: it reads first). Takes the KV
+        blocks of two rounds ahead for the ones that stay (as `grow_for_chained_round`), so
+        scheduling never preempts them."""
+        proposer = self.proposer
+        if not previous.chainable or proposer is not previous.proposer or (proposer is not None and proposer.drafts_in_background):
+            return False
+        held = {id(s) for s in previous.seqs}
+        running = self.scheduler.running
+        if any(id(s) not in held for s in running if not s.is_prefilling):
+            return False
+        return self.scheduler.grow_for_chained_round([s for s in previous.seqs if s.status is SequenceStatus.RUNNING])
 
     def _batch_stays(self, seqs: list[Sequence]) -> bool:
         """Whether the running batch is `seqs`, in order, and nothing waits to be admitted."""
@@ -602,10 +639,7 @@ class Engine:
         t0 = time.perf_counter()
         n = len(seqs)
         ids, tables = [s.request_id for s in seqs], [s.block_table for s in seqs]
-        if previous is None:
-            bonus_ids, starts = self._bonus_tokens(seqs, first)
-        else:
-            bonus_ids, starts = previous.next_bonus, previous.next_starts
+        bonus_ids, starts = self._bonus_tokens(seqs, first, previous)
         proposer = self.proposer
         if group is not None:
             k = group.k if proposer is not None else 0
@@ -677,18 +711,25 @@ class Engine:
             launched_at=t0,
         )
 
-    def _bonus_tokens(self, seqs: list[Sequence], first: _FirstTokens | None
+    def _bonus_tokens(self, seqs: list[Sequence], first: _FirstTokens | None, previous: _Round | None
                       ) -> tuple[list[int] | torch.Tensor, list[int] | torch.Tensor]:
-        """Bonus tokens and starts of an unchained round: the host's, or on the device where the
-        round holds sequences whose first token this step's prefill sampled (not read yet)."""
+        """A round's bonus tokens and starts: the host's, or on the device for sequences of
+        `previous` (the round in flight, not read yet) and those whose first token this step's
+        prefill sampled (not read yet)."""
+        if previous is not None and seqs is previous.seqs:
+            return previous.next_bonus, previous.next_starts
         bonus, starts = [s.bonus for s in seqs], [s.num_cached for s in seqs]
-        rows = {} if first is None else {id(s): i for i, s in enumerate(first.seqs)}
-        at = [i for i, s in enumerate(seqs) if id(s) in rows]
-        if not at:
+        of_previous, of_first = _rows_held(seqs, previous), _rows_held(seqs, first)
+        if not of_previous[0] and not of_first[0]:
             return bonus, starts
         bonus_t, starts_t = to_device([bonus, starts], torch.long, self.device)
-        into, take = to_device([at, [rows[id(seqs[i])] for i in at]], torch.long, self.device)
-        bonus_t[into] = first.tokens[take]
+        if of_previous[0]:
+            into, take = to_device(of_previous, torch.long, self.device)
+            bonus_t[into] = previous.next_bonus[take]
+            starts_t[into] = previous.next_starts[take]
+        if of_first[0]:
+            into, take = to_device(of_first, torch.long, self.device)
+            bonus_t[into] = first.tokens[take]
         return bonus_t, starts_t
 
     def _round_inputs(self, n: int, k: int, bonus_ids: list[int] | torch.Tensor, starts: list[int] | torch.Tensor,

@@ -187,9 +187,10 @@ def test_round_wall_times_leave_out_prefills_and_launches_of_another_k(pair, cha
     """The policy weighs each k by the wall time its rounds add to the loop: from the later of a
     round's launch and the last round's read, to its read. On a fake clock where a prefill takes
     1000 s and launching a round 1 s: no observed time holds a prefill, nor is a round chained on
-    a round launched behind a prefill observed; a round launched alone
-    after its batch changed (a request ended) is observed — chained, its own launch and the
-    next one's, 2 s; synced, 1 s each — and when k alternates every round, no chained round is
+    a round launched behind a prefill observed; a round launched alone is observed — chained,
+    its own launch and the next one's, 2 s; synced, 1 s each — and so is the round after a
+    request ended, which chains on the round in flight: the next round's launch, 1 s. When k
+    alternates every round, no chained round is
     observed with time in it, which would hold the host's launch of a round of the other k. A
     round still in flight when its request ended is not observed: the loop idled (1000 s here)
     before reading it."""
@@ -214,8 +215,8 @@ def test_round_wall_times_leave_out_prefills_and_launches_of_another_k(pair, cha
     engine, observed = engine_on_the_clock()
     engine.generate([[1, 2, 3], [7, 9, 11]], [SamplingParams(temperature=0.0, max_tokens=m) for m in (4, 14)])
     assert observed and all(seconds < 1000 for _, _, seconds in observed)
-    if chain_rounds:
-        assert (1, 3, 2.0) in observed  # the second request's first round alone
+    assert (1, 3, 1.0) in observed  # the second request's rounds once the first ended
+    if chain_rounds:  # 2 s: the first round, launched alone, holds its own launch and the next one's
         assert {seconds for _, _, seconds in observed} <= {0.0, 1.0, 2.0}
     else:
         assert {seconds for _, _, seconds in observed} == {1.0}

@@ -219,6 +219,35 @@ def test_chained_rounds_run_a_round_ahead_and_fall_back_when_blocks_run_short(ta
     assert tight.allocator.num_free == tight.allocator.num_blocks
 
 
+def test_a_round_after_the_batch_changes_chains_on_the_round_in_flight(target):
+    """With chained rounds, a request that ends and one admitted in its place do not make the host
+    read the round in flight before it launches the next: the sequences that stay start from that
+    round's results on the device, the admitted prompt from its prefill's first token. Every
+    output is the target's own and no block leaks."""
+    prompts = [[5, 6, 7, 8, 9], [40, 41], [60, 61, 62], [20, 21, 22, 23]]
+    lengths = {"q0": 6, "q1": 24, "q2": 10, "q3": 14}
+    refs, oracle = _oracle(target, prompts, 24)
+    engine = build_engine(target, proposer=oracle, max_num_seqs=2)
+    engine.chain_rounds = True
+    for rid, p in zip(refs, prompts, strict=True):
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=lengths[rid]), rid)
+    across, launch = [], engine._launch_round
+
+    def launch_and_log(seqs, previous=None, group=None, first=None):
+        if previous is not None and [s.request_id for s in seqs] != [s.request_id for s in previous.seqs]:
+            across.append(([s.request_id for s in previous.seqs], [s.request_id for s in seqs]))
+        return launch(seqs, previous, group, first)
+    engine._launch_round = launch_and_log
+    while engine.has_unfinished():
+        engine.step()
+    engine.drain()
+    # q0 ends and q2 takes its place, q2 ends and q3 does: each time q1 stays and the new one joins
+    assert (["q0", "q1"], ["q1", "q2"]) in across and (["q1", "q2"], ["q1", "q3"]) in across, across
+    for rid, p in zip(refs, prompts, strict=True):
+        assert engine.sequences[rid].output_ids == refs[rid][len(p) : len(p) + lengths[rid]]
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
 def test_prompts_join_the_round_of_the_step_that_prefills_them(target):
     """A prompt whose prefill completes in a step where others decode joins their round, from the
     first token its prefill sampled (on the device, read after the round is launched): one step
