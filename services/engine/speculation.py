@@ -65,16 +65,24 @@ class AcceptanceTracker:
     """Per draft position, the conditional acceptance rate — of draft j, given drafts 1..j−1
     were accepted — as an exponential moving average over trials (bounded: B−1 numbers).
 
-    It starts at an optimistic prior, so the first rounds speculate and measure. In a round that
+    It starts at an optimistic prior, so the first rounds speculate and measure. The prior counts
+    as `prior_trials` trials: until a position has had 1/rate trials its estimate is the mean of
+    those and its trials, then the moving average. A deep position has few trials (each needs
+    every draft before it accepted), and a moving average from the prior kept what the prior said
+    long after its trials said otherwise: on CPU at c = 1, T 1 on humaneval, positions 3–15 read
+    0.66–0.91 where their trials accepted 0.58–0.89, the expected tokens of a k = 15 round read
+    2.92 against 2.4 measured, and the policy speculated where AR was faster. In a round that
     verified drafts, the positions beyond what it verified drift back towards the prior, so a
     deeper k is tried again once the shallower positions accept well (their estimates may be
     stale from another load or other requests). AR rounds change nothing: the policy probes.
     """
 
-    def __init__(self, num_positions: int, *, prior: float = 0.9, rate: float = 0.02, drift: float = 1 / 256):
-        if not 0 < prior <= 1 or not 0 < rate <= 1 or not 0 <= drift <= 1:
-            raise ValueError(f"prior {prior} and rate {rate} must be in (0, 1], drift {drift} in [0, 1]")
-        self.prior, self.rate, self.drift = prior, rate, drift
+    def __init__(self, num_positions: int, *, prior: float = 0.9, rate: float = 0.02, drift: float = 1 / 256,
+                 prior_trials: int = 4):
+        if not 0 < prior <= 1 or not 0 < rate <= 1 or not 0 <= drift <= 1 or prior_trials < 0:
+            raise ValueError(f"prior {prior} and rate {rate} must be in (0, 1], drift {drift} in [0, 1], "
+                             f"prior_trials {prior_trials} ≥ 0")
+        self.prior, self.rate, self.drift, self.prior_trials = prior, rate, drift, prior_trials
         self.acceptance = [prior] * num_positions
         self.trials = [0] * num_positions  # since start, for tests and logs
 
@@ -87,8 +95,9 @@ class AcceptanceTracker:
             # Draft j (1-based) is a trial when j ≤ k and drafts before it were accepted (j ≤ a+1).
             for j in range(min(a + 1, k)):
                 hit = 1.0 if j < a else 0.0
-                self.acceptance[j] += self.rate * (hit - self.acceptance[j])
                 self.trials[j] += 1
+                rate = max(self.rate, 1 / (self.prior_trials + self.trials[j]))
+                self.acceptance[j] += rate * (hit - self.acceptance[j])
                 observed[j] = True
         deepest = max(verified)
         for j in range(deepest, len(self.acceptance)):

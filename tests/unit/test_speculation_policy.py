@@ -145,6 +145,21 @@ def test_acceptance_is_measured_per_position_conditionally():
     assert tracker.acceptance == [1.0, 1.0, 1.0, 0.5]
 
 
+def test_the_prior_counts_as_a_few_trials_then_the_moving_average_takes_over():
+    """A position's estimate is the mean of its trials and the prior's `prior_trials` until it has
+    had 1/rate trials: a deep position, tried rarely, reads what its trials said, not the prior."""
+    tracker = AcceptanceTracker(2, prior=0.9, rate=0.25, drift=0.0, prior_trials=2)
+    tracker.observe_round([2], [0])  # draft 1 rejected: (2 × 0.9 + 0) / 3
+    assert tracker.acceptance[0] == pytest.approx(0.6) and tracker.acceptance[1] == 0.9
+    tracker.observe_round([2], [1])  # draft 1 accepted, draft 2 rejected: means over 4 and 3
+    assert tracker.acceptance == pytest.approx([0.7, 0.6])
+    tracker.observe_round([1], [1])  # draft 1's 3rd trial: 1/5 < rate, the moving average from here
+    assert tracker.acceptance[0] == pytest.approx(0.7 + 0.25 * 0.3)
+    no_prior = AcceptanceTracker(1, prior_trials=0)
+    no_prior.observe_round([1], [0])  # the first trial replaces the prior
+    assert no_prior.acceptance == [0.0]
+
+
 def test_positions_beyond_the_verified_ones_drift_back_to_the_prior():
     tracker = AcceptanceTracker(3, prior=0.9, rate=1.0, drift=0.5)
     tracker.observe_round([3], [1])  # 1 accepted, 2 rejected: [1, 0, 0.9]
