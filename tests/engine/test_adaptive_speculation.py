@@ -104,7 +104,7 @@ def test_the_adaptive_policy_is_lossless_on_measured_costs(pair, references):
     costs = engine.speculation.costs
     assert costs is not None and costs.measured_draft
     assert costs.ks == engine.speculation.ks == (0, 1, 3, 5)
-    assert costs.batch_sizes == [1, 4, 8]  # eager: 1, 4 and max_num_seqs, interpolated between
+    assert costs.batch_sizes == [1, 4, 8]  # eager: 1, 4, max_num_seqs / 2 (4 here) and max_num_seqs, interpolated between
     assert all(s > 0 for k in costs.ks for s in costs.verify[k])
     done = engine.generate(PROMPTS, _params())
     _check_lossless(engine, done, references, target)
