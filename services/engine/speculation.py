@@ -120,10 +120,9 @@ class RoundCosts:
     underestimates it — so it is tried, and measured, once chosen. Until a kind and size has had
     1/wall_rate observations the factor is the mean of them and the prediction's 1 (counted as
     one observation), not a moving average from 1: the first rounds say what the prediction
-    missed (on CPU at batch 16, T 1, a k = 7 round took
-    1.37 × its forwards — sampling 128 rows of the vocabulary is not in them — and with the
-    average from 1 the policy chose k = 7 six more times, each costing 3.7 AR steps for 3
-    tokens a sequence). One observation counts for at
+    missed (on CPU at batch 16, T 1, a k = 7 round took 1.37 × its forwards: sampling 128 rows
+    of the vocabulary is not in them), where a moving average from 1 at wall_rate moves 5 % of
+    the way a round. One observation counts for at
     most OUTLIER_FACTOR times the estimate: on a shared host a round only ever takes longer than
     its work (another process, a collection), and one slow round must not make a kind of round
     look slow until the policy, no longer choosing it, never measures it again. One factor
