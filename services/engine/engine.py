@@ -360,7 +360,8 @@ class Engine:
                     launched.timed, launched.behind_prefill = False, True
             if chained_on is not None:
                 # Also wasted on requests that ended, and behind a prefill the host read it late.
-                chained_on.timed &= not plan.prefills and all(s.status is SequenceStatus.RUNNING for s in chained_on.seqs)
+                ended = any(s.status is not SequenceStatus.RUNNING for s in chained_on.seqs)
+                chained_on.timed &= not plan.prefills and not ended
                 self._guarded(self._finish_round, chained_on, chained_on.seqs, lookahead)
                 self._observe_round_time(chained_on, launched)
             # Read after the launch: the device runs the round while the host waits for them.
@@ -402,7 +403,9 @@ class Engine:
         blocks of two rounds ahead for the ones that stay (as `grow_for_chained_round`), so
         scheduling never preempts them."""
         proposer = self.proposer
-        if not previous.chainable or proposer is not previous.proposer or (proposer is not None and proposer.drafts_in_background):
+        if not previous.chainable or proposer is not previous.proposer:
+            return False
+        if proposer is not None and proposer.drafts_in_background:
             return False
         held = {id(s) for s in previous.seqs}
         running = self.scheduler.running
