@@ -3,8 +3,8 @@
 Requests join and leave between steps. Every running sequence that has finished its prefill runs
 one round per step, and one whose prefill completes in a step where others decode runs that
 step's round too (from the first token its prefill samples); prompts are prefilled in chunks
-under a per-step token budget so a long prompt does not stall the others. KV blocks are taken before each step (the round's lookahead included)
-and, when they run out, the most recently admitted sequence is preempted: its blocks are freed
+under a per-step token budget so a long prompt does not stall the others. KV blocks are taken
+before each step (the round's lookahead included) and, when they run out, the most recently admitted sequence is preempted: its blocks are freed
 and it is prefilled again later from its prompt and the tokens it already produced (recompute).
 
 Prefix caching (`EngineConfig.enable_prefix_caching`): once a block is full of committed tokens
@@ -41,7 +41,6 @@ class StepPlan:
     prefills: list[PrefillChunk] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)  # the step's round, in the running order
     preempted: list[Sequence] = field(default_factory=list)
-    joining: list[Sequence] = field(default_factory=list)  # in `decodes` too: their prefill completes this step
 
     def __bool__(self) -> bool:
         return bool(self.prefills or self.decodes)
@@ -183,10 +182,9 @@ class Scheduler:
         # 3. Prompts whose prefill completes now decode in this step's round too, if others do (a step
         #    of their own would break the chain of rounds; with nothing decoding, the step returns their
         #    first tokens at once, not after a round's launch).
-        if plan.decodes:
-            plan.joining = [c.seq for c in plan.prefills if self._joins_round(c)]
-        if plan.joining:
-            members = {id(s) for s in plan.decodes + plan.joining}
+        joining = [c.seq for c in plan.prefills if self._joins_round(c)] if plan.decodes else []
+        if joining:
+            members = {id(s) for s in plan.decodes + joining}
             plan.decodes = [s for s in self.running if id(s) in members]  # so that later rounds chain on it
         return plan
 

@@ -117,12 +117,7 @@ class RoundCosts:
     (`observe_round`) keep, per kind of round — an AR step, or speculative whatever its k — and
     measured batch size, a moving average of wall / predicted seconds that scales
     `round_seconds`; a kind and size never observed keeps the start-up prediction, which
-    underestimates it — so it is tried, and measured, once chosen. Until a kind and size has had
-    1/wall_rate observations the factor is the mean of them and the prediction's 1 (counted as
-    one observation), not a moving average from 1: the first rounds say what the prediction
-    missed (on CPU at batch 16, T 1, a k = 7 round took 1.37 × its forwards: sampling 128 rows
-    of the vocabulary is not in them), where a moving average from 1 at wall_rate moves 5 % of
-    the way a round. One observation counts for at
+    underestimates it — so it is tried, and measured, once chosen. One observation counts for at
     most OUTLIER_FACTOR times the estimate: on a shared host a round only ever takes longer than
     its work (another process, a collection), and one slow round must not make a kind of round
     look slow until the policy, no longer choosing it, never measures it again. One factor
@@ -149,7 +144,6 @@ class RoundCosts:
         self.draft_rate = draft_rate
         self.wall_rate = wall_rate
         self.wall_factor: dict[tuple[bool, int], float] = {}  # (k > 0, index of the nearest batch size) -> wall / predicted
-        self.wall_observations: dict[tuple[bool, int], int] = {}  # same keys: how many rounds made it
 
     @property
     def ks(self) -> tuple[int, ...]:
@@ -185,8 +179,7 @@ class RoundCosts:
         key = (k > 0, self._nearest(n))
         old = self.wall_factor.get(key, 1.0)
         ratio = min(seconds / predicted, OUTLIER_FACTOR * old)
-        count = self.wall_observations[key] = self.wall_observations.get(key, 0) + 1
-        self.wall_factor[key] = old + max(self.wall_rate, 1 / (count + 1)) * (ratio - old)
+        self.wall_factor[key] = old + self.wall_rate * (ratio - old)
 
     def _nearest(self, n: int) -> int:
         """The index of the measured batch size nearest n (the smaller on a tie)."""

@@ -224,17 +224,12 @@ def test_wall_times_of_rounds_correct_the_start_up_costs():
     assert costs.round_seconds(32, 15) == pytest.approx(1.0)
 
 
-def test_wall_times_are_a_mean_then_a_moving_average_and_ignored_by_fixed_speculation():
+def test_wall_times_are_a_moving_average_and_ignored_by_fixed_speculation():
     costs = _costs(lambda n, k: 2.0)
-    costs.observe_round(1, 7, 5.0)  # 2.5 × the prediction, capped at twice the factor (1): 2
-    assert costs.round_seconds(1, 7) == pytest.approx(2.0 * 1.5)  # the mean with the prediction's 1
+    costs.observe_round(1, 7, 4.0)
     costs.observe_round(1, 7, 2.0)
-    assert costs.round_seconds(1, 7) == pytest.approx(2.0 * 4 / 3)  # (1 + 2 + 1) / 3
-    for _ in range(18):
-        costs.observe_round(1, 7, 2.0 * 4 / 3)
-    assert costs.round_seconds(1, 7) == pytest.approx(2.0 * 4 / 3)  # 20 = 1/wall_rate observations
-    costs.observe_round(1, 7, 2.0)  # from here the moving average
-    assert costs.round_seconds(1, 7) == pytest.approx(2.0 * (4 / 3 + 0.05 * (1.0 - 4 / 3)))
+    # From the prediction (factor 1) towards 2 (4 s, capped at twice the estimate), then towards 1
+    assert costs.round_seconds(1, 7) == pytest.approx(2.0 * (1.05 + 0.05 * (1.0 - 1.05)))
     assert costs.round_seconds(1, 3) == costs.round_seconds(1, 7)  # one factor for every k > 0
     assert costs.round_seconds(1, 0) == 2.0  # AR steps keep their own
     fixed = _policy(_costs(lambda n, k: 2.0), speculation="fixed")
