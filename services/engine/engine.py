@@ -722,17 +722,18 @@ class Engine:
         if previous is not None and seqs is previous.seqs:
             return previous.next_bonus, previous.next_starts
         bonus, starts = [s.bonus for s in seqs], [s.num_cached for s in seqs]
-        of_previous, of_first = _rows_held(seqs, previous), _rows_held(seqs, first)
-        if not of_previous[0] and not of_first[0]:
+        (into_p, take_p), (into_f, take_f) = _rows_held(seqs, previous), _rows_held(seqs, first)
+        if not into_p and not into_f:
             return bonus, starts
-        bonus_t, starts_t = to_device([bonus, starts], torch.long, self.device)
-        if of_previous[0]:
-            into, take = to_device(of_previous, torch.long, self.device)
-            bonus_t[into] = previous.next_bonus[take]
-            starts_t[into] = previous.next_starts[take]
-        if of_first[0]:
-            into, take = to_device(of_first, torch.long, self.device)
-            bonus_t[into] = first.tokens[take]
+        n, p, f = len(seqs), len(into_p), len(into_f)
+        host = bonus + starts + into_p + take_p + into_f + take_f  # one host-to-device copy
+        bonus_t, starts_t, into_p, take_p, into_f, take_f = to_device(host, torch.long, self.device).split(
+            [n, n, p, p, f, f])
+        if p:
+            bonus_t[into_p] = previous.next_bonus[take_p]
+            starts_t[into_p] = previous.next_starts[take_p]
+        if f:
+            bonus_t[into_f] = first.tokens[take_f]
         return bonus_t, starts_t
 
     def _round_inputs(self, n: int, k: int, bonus_ids: list[int] | torch.Tensor, starts: list[int] | torch.Tensor,
