@@ -140,7 +140,7 @@ def test_positions_and_seeds_change_the_draw():
         assert (by_seed[a] != by_seed[b]).sum() > 55
 
 
-def test_hash_is_murmur_style_mixing_without_overflow():
+def test_hash_is_murmur_style_mixing_in_int64_and_int32_lanes():
     def reference(x: int) -> int:  # plain uint32 arithmetic
         x ^= x >> 16
         x = (x * 0x604BAA5D) & 0xFFFFFFFF
@@ -148,8 +148,12 @@ def test_hash_is_murmur_style_mixing_without_overflow():
         x = (x * 0x43D6CE97) & 0xFFFFFFFF
         return x ^ (x >> 15)
 
-    values = [0, 1, 2, 0x7FFFFFFF, 0x80000000, 0xDEADBEEF, 0xFFFFFFFF]
-    assert mix32_(torch.tensor(values)).tolist() == [reference(x) for x in values]
+    values = [0, 1, 2, 0x7FFFFFFF, 0x80000000, 0xDEADBEEF, 0xFFFFFFFF] + torch.randint(0, 2**32, (1000,)).tolist()
+    expected = [reference(x) for x in values]
+    assert mix32_(torch.tensor(values)).tolist() == expected
+    # int32 lanes (the [R, V] hash's): the same 32 bits, the multiplies wrapping
+    as_int32 = torch.tensor([x - 2**32 if x >= 2**31 else x for x in values], dtype=torch.int32)
+    assert [x & 0xFFFFFFFF for x in mix32_(as_int32).tolist()] == expected
 
 
 # --- the sampled distribution --------------------------------------------------------------------
