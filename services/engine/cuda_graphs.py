@@ -17,6 +17,9 @@ the draft once per batch bucket (it always drafts the whole block).
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +30,24 @@ from dflash_serve.services.engine.speculation import time_call
 from dflash_serve.services.engine.target_runner import TargetRunner
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+@contextlib.contextmanager
+def capture_graph(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
+    """`torch.cuda.graph` with Python's garbage collector off. A collection that runs inside the
+    capture (any allocation may trigger one) frees whatever unreachable objects hold — pinned
+    host buffers, CUDA events of an engine gone — and such calls invalidate a capturing stream:
+    the capture fails ("operation failed due to a previous error during capture"). `tests/gpu`
+    failed so on the H100, in the same test of the whole suite twice, and passed with the
+    collector off. `torch.cuda.graph` collects once before it starts capturing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass
@@ -145,17 +166,17 @@ class RoundGraphs:
         torch.cuda.current_stream(device).wait_stream(stream)
         if self.proposer is not None:
             bucket.draft_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(bucket.draft_graph, pool=self._pool):
+            with capture_graph(bucket.draft_graph, self._pool):
                 self._draft(bucket)
         for out in sorted(bucket.verified.values(), key=lambda o: -o.k):  # largest first, as the buckets
             out.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(out.graph, pool=self._pool):
+            with capture_graph(out.graph, self._pool):
                 self._verify(bucket, out)
             if inject:
                 # Its own graph, so that a verify replay times the target's forward alone; eager,
                 # its ~10 launches (2 of them Triton's) cost ~0.3 ms of host time a round.
                 out.inject_graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(out.inject_graph, pool=self._pool):
+                with capture_graph(out.inject_graph, self._pool):
                     self._inject(bucket, out)
         return bucket
 
@@ -317,7 +338,7 @@ class InjectionGraphs:
             self._inject(size)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with capture_graph(graph, self._pool):
             self._inject(size)
         return graph
 

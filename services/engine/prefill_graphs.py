@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dflash_serve.services.engine.cuda_graphs import capture_graph
 from dflash_serve.services.engine.draft_runner import DraftRunner, Proposer
 from dflash_serve.services.engine.kv_cache import AttentionBatch
 
@@ -128,7 +129,7 @@ class PrefillGraphs:
                     self._forward(tokens, chunks)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with capture_graph(graph, pool):
                     self._outputs[tokens, chunks] = self._forward(tokens, chunks)
                 self._graphs[tokens, chunks] = graph
 
