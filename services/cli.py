@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import math
 import os
@@ -35,6 +36,18 @@ def _drafter_flag(value: str) -> str | None:
     return None if value == NO_DRAFTER else value
 
 
+def _mapping_flag(value: str) -> dict:
+    """A mapping flag, written as in the help: `{1: 15, 8: 7, 32: 0}` (or JSON); the config
+    validates its keys and values."""
+    try:
+        mapping = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        mapping = None
+    if not isinstance(mapping, dict):
+        raise argparse.ArgumentTypeError(f"expected a mapping such as {{1: 15, 8: 7, 32: 0}}, got {value!r}")
+    return mapping
+
+
 def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], title: str,
                      helps: dict[str, str] | None = None, defaults: dict[str, str] | None = None) -> None:
     """A flag for every field of `model` (`max_num_seqs` -> `--max-num-seqs`; booleans also as
@@ -46,7 +59,7 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], ti
     for name, field in model.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             continue  # ServeConfig.engine: its fields get their own group
-        shown = (defaults or {}).get(name, repr(field.default))
+        shown = (defaults or {}).get(name, repr(field.get_default(call_default_factory=True)))
         help_text = (helps or {}).get(name) or f"{field.description} (default: {shown})"
         options = dict(dest=name, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
         kinds = [kind for kind in typing.get_args(field.annotation) if kind is not type(None)] \
@@ -57,6 +70,8 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], ti
             options["choices"] = typing.get_args(kinds[0])
         elif name == "drafter":
             options["type"] = _drafter_flag
+        elif typing.get_origin(kinds[0]) is dict:
+            options["type"] = _mapping_flag
         else:
             options["type"] = kinds[0]
         group.add_argument("--" + name.replace("_", "-"), **options)
