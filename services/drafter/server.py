@@ -102,7 +102,9 @@ class DrafterSession:
         layers, heads, dim = DraftRunner.kv_shape(drafter.config)
         pool = KVPool.allocate(layers, hello.num_kv_blocks, hello.kv_block_size, heads, dim, drafter.dtype, self.compute)
         self.kv_block_size = hello.kv_block_size
-        self.runner = DraftRunner(drafter, head, pool)
+        # No sequence outgrows its block table, nor the pool where the verifier sent no table width.
+        max_positions = (hello.max_blocks_per_sequence or hello.num_kv_blocks) * hello.kv_block_size
+        self.runner = DraftRunner(drafter, head, pool, max_positions=max_positions)
         self.graphs = self.injection = None
         if hello.graph_batch_sizes and self.compute.type == "cuda":
             # At batch 1 an eager draft forward spends most of its time launching kernels.

@@ -96,7 +96,8 @@ class Proposer(abc.ABC):
 
 
 class DraftRunner(Proposer):
-    def __init__(self, drafter: DFlashDraftModel, target: TargetModel, pool: KVPool):
+    def __init__(self, drafter: DFlashDraftModel, target: TargetModel, pool: KVPool, *, max_positions: int):
+        """`max_positions`: one past the largest position a round may write (the target's table's)."""
         self.drafter = drafter
         self.target = target
         self.pool = pool
@@ -107,6 +108,13 @@ class DraftRunner(Proposer):
         self.kv_weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])
         self.kv_bias = torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]) if cfg.attention_bias else None
         self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])
+        # cos/sin of every position [max_positions, 2, head_dim], as the model computes them per call:
+        # the injection gathers its rows in one launch and the draft's RoPE kernel reads the table
+        # by position, where computing them took ~10 launches each (a tenth of an AR step's upkeep
+        # beside the drafter on the H100).
+        with torch.no_grad():
+            cos, sin = drafter.rotary.cos_sin(torch.arange(max_positions, device=drafter.device), drafter.dtype)
+        self.rope = torch.stack([cos, sin], dim=1)
         # The block forward in the target's fused layout (the drafter's layers are Qwen3 layers
         # whose attention may be non-causal): the model code in dflash_serve.services.models.draft stays the
         # reference, and its parameters become views of the merged weights.
@@ -130,8 +138,9 @@ class DraftRunner(Proposer):
         ctx = self.drafter.fuse_context(features)
         kv = torch.nn.functional.linear(ctx, self.kv_weight, self.kv_bias)
         kv = kv.view(-1, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim)
-        cos, sin = self.drafter.rotary.cos_sin(positions, self.drafter.dtype)
-        inject_context_kv(kv, self.k_norm_weight, cos, sin, slots, self.pool.k, self.pool.v, eps=cfg.rms_norm_eps)
+        rope = self.rope[positions]
+        inject_context_kv(kv, self.k_norm_weight, rope[:, 0], rope[:, 1], slots, self.pool.k, self.pool.v,
+                          eps=cfg.rms_norm_eps)
 
     def request_drafts(self, request_ids, bonus, starts, tables, batch) -> None:
         self._drafts = self.propose(request_ids, bonus, starts, batch)  # queued on the device
@@ -156,7 +165,6 @@ class DraftRunner(Proposer):
         block_ids[:, 0] = bonus_ids
         embeds = drafter.embed_block(self.target, block_ids).to(drafter.dtype).view(n * block, -1)
         positions = (starts[:, None] + torch.arange(block, device=starts.device)).flatten()
-        cos, sin = drafter.rotary.cos_sin_half(positions, drafter.dtype)
-        rows = torch.arange(n * block, device=starts.device)  # row t takes cos/sin[t]
-        hidden = self.stack.forward(embeds, rows, cos, sin, batch)
+        half = self.drafter.config.head_dim // 2  # rotate-half: the table's rows repeat their first half
+        hidden = self.stack.forward(embeds, positions, self.rope[:, 0, :half], self.rope[:, 1, :half], batch)
         return drafter.logits(self.target, hidden.view(n, block, -1)[:, 1:])

@@ -146,7 +146,7 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
     proposer = None
     if drafter is not None:
         draft_pool = KVPool.allocate(d_layers, blocks, config.kv_block_size, d_heads, d_dim, dtype, device)
-        proposer = DraftRunner(drafter, target, draft_pool)
+        proposer = DraftRunner(drafter, target, draft_pool, max_positions=max_positions)
     engine = Engine(
         runner, proposer, allocator, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids, max_model_len=max_len
     )

@@ -38,7 +38,7 @@ def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = Non
     if drafter is not None:
         d_layers, d_heads, d_dim = DraftRunner.kv_shape(drafter.config)
         pool = KVPool.allocate(d_layers, num_blocks, kv_block_size, d_heads, d_dim, drafter.dtype, "cpu")
-        proposer = DraftRunner(drafter, target, pool)
+        proposer = DraftRunner(drafter, target, pool, max_positions=max_positions)
     config = EngineConfig(target="tiny", kv_block_size=kv_block_size, num_kv_blocks=num_blocks,
                           max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
                           enable_prefix_caching=enable_prefix_caching, speculation=speculation,

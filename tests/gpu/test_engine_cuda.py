@@ -174,7 +174,7 @@ def test_injection_graphs_write_what_the_eager_injection_writes(rows):
     target = TargetModel(model, drafter.config.target_layer_ids)
     layers, heads, dim = DraftRunner.kv_shape(drafter.config)
     pools = [KVPool.allocate(layers, 16, 16, heads, dim, torch.float32, "cuda") for _ in range(2)]
-    eager, graphed = (DraftRunner(drafter, target, pool) for pool in pools)
+    eager, graphed = (DraftRunner(drafter, target, pool, max_positions=16 * 16) for pool in pools)
     scratch_block = 15
     graphs = InjectionGraphs(graphed, 2 * 32, torch.float32, scratch_slot=scratch_block * 16, buckets=(16, 32))
     generator = torch.Generator().manual_seed(rows)
