@@ -1,5 +1,5 @@
 """GPU micro-benchmark of seeded sampling: `sample_tokens` with the race's plain-torch reference
-(the int64 hash chain over [rows, V], the path before the kernel) against the fused kernel
+(the hash chain over [rows, V]: the CPU path, and the path before the kernel) against the fused kernel
 (`dflash_serve.kernels.sample_race`), with greedy `row_argmax` as the floor.
 
     python -m dflash_serve.services.bench.sampling [--rows 1,8,16,128,512] [--vocab 49152,151936] [--out FILE]

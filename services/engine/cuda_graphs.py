@@ -291,8 +291,8 @@ class CapturedProposer(Proposer):
         self.graphs, self.bucket, self.n, self.k = graphs, bucket, n, k
         self.block_size = graphs.block
 
-    def request_drafts(self, request_ids, bonus, starts, tables, batch) -> None:
-        self.graphs.draft(self.bucket)
+    def request_drafts(self, request_ids, bonus, starts, tables, batch, num_drafts=None) -> None:
+        self.graphs.draft(self.bucket)  # the whole block, as captured
 
     def receive_drafts(self) -> torch.Tensor:
         return self.bucket.drafts[: self.n]

@@ -71,10 +71,12 @@ class Proposer(abc.ABC):
     @abc.abstractmethod
     def request_drafts(self, request_ids: Sequence[str], bonus: list[int] | torch.Tensor,
                        starts: list[int] | torch.Tensor, tables: list[list[int]], batch: AttentionBatch | None,
-                       group: int = 0) -> None:
+                       group: int = 0, num_drafts: int | None = None) -> None:
         """Draft the B-1 tokens after each sequence's bonus token, which sits at position starts[i];
         `tables`: the sequences' block tables; `batch`: the block's attention metadata on the
-        device (None where `drafts_in_background`); `group`: see `draft_groups`."""
+        device (None where `drafts_in_background`); `group`: see `draft_groups`. `num_drafts`: the
+        round verifies only the first that many (asked so of a drafter in this process): the block
+        forward still covers the whole block, but drafts past them may be left out."""
 
     @abc.abstractmethod
     def receive_drafts(self, group: int = 0) -> torch.Tensor:
@@ -142,23 +144,27 @@ class DraftRunner(Proposer):
         inject_context_kv(kv, self.k_norm_weight, rope[:, 0], rope[:, 1], slots, self.pool.k, self.pool.v,
                           eps=cfg.rms_norm_eps)
 
-    def request_drafts(self, request_ids, bonus, starts, tables, batch) -> None:
-        self._drafts = self.propose(request_ids, bonus, starts, batch)  # queued on the device
+    def request_drafts(self, request_ids, bonus, starts, tables, batch, num_drafts=None) -> None:
+        self._drafts = self.propose(request_ids, bonus, starts, batch, num_drafts)  # queued on the device
 
     def receive_drafts(self) -> torch.Tensor:
         drafts, self._drafts = self._drafts, None
         return drafts
 
     @torch.inference_mode()
-    def propose(self, request_ids, bonus_ids, starts, batch) -> torch.Tensor:
-        """Greedy drafts [N, B-1] for the tokens after each bonus token (spec §3.2: argmax drafts,
-        verified by exact match against the target's own samples, are lossless at any temperature)."""
-        return row_argmax(self.draft_logits(bonus_ids, starts, batch))
+    def propose(self, request_ids, bonus_ids, starts, batch, num_drafts: int | None = None) -> torch.Tensor:
+        """Greedy drafts [N, num_drafts or B-1] for the tokens after each bonus token (spec §3.2:
+        argmax drafts, verified by exact match against the target's own samples, are lossless at
+        any temperature)."""
+        return row_argmax(self.draft_logits(bonus_ids, starts, batch, num_drafts))
 
-    def draft_logits(self, bonus_ids: torch.Tensor, starts: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """`DFlashDraftModel.draft_logits` [N, B-1, V] over the paged pool: the block's keys and
-        values go to its lookahead slots (positions s..s+B-1, overwritten by the next round's
-        context rows) and attend over context + block."""
+    def draft_logits(self, bonus_ids: torch.Tensor, starts: torch.Tensor, batch: AttentionBatch,
+                     num_drafts: int | None = None) -> torch.Tensor:
+        """`DFlashDraftModel.draft_logits` [N, num_drafts or B-1, V] over the paged pool: the block's
+        keys and values go to its lookahead slots (positions s..s+B-1, overwritten by the next
+        round's context rows) and attend over context + block. Only the first `num_drafts` rows
+        go through the LM head: on a CPU the head over B-1 rows of a 49k vocabulary is two thirds
+        of a draft."""
         drafter, block = self.drafter, self.block_size
         n = bonus_ids.shape[0]
         block_ids = torch.full((n, block), drafter.config.mask_token_id, device=bonus_ids.device)
@@ -167,4 +173,5 @@ class DraftRunner(Proposer):
         positions = (starts[:, None] + torch.arange(block, device=starts.device)).flatten()
         half = self.drafter.config.head_dim // 2  # rotate-half: the table's rows repeat their first half
         hidden = self.stack.forward(embeds, positions, self.rope[:, 0, :half], self.rope[:, 1, :half], batch)
-        return drafter.logits(self.target, hidden.view(n, block, -1)[:, 1:])
+        drafts = block - 1 if num_drafts is None else num_drafts
+        return drafter.logits(self.target, hidden.view(n, block, -1)[:, 1 : 1 + drafts])

@@ -766,7 +766,7 @@ class Engine:
         if drafter.drafts_in_background:  # asked before the verify was prepared
             drafts = drafter.receive_drafts(group)
         else:
-            drafter.request_drafts(ids, inputs.bonus, inputs.starts, tables, inputs.draft_batch)
+            drafter.request_drafts(ids, inputs.bonus, inputs.starts, tables, inputs.draft_batch, num_drafts=k)
             drafts = drafter.receive_drafts()
         if inputs.bucket is not None and not drafter.in_graphs:
             return self.graphs.load_drafts(inputs.bucket, drafts)[:, :k]
@@ -927,24 +927,30 @@ class Engine:
             rows = torch.arange(n * (k + 1), device=device)
             return lambda: self.runner.forward(ids, positions, batch, rows)
 
-        def draft_call(n: int):
+        def draft_call(n: int, k: int):
             ids, starts, _, batch = shapes(n, block)
 
             def call():
-                self.proposer.request_drafts((), ids[:n], starts, [table] * n, batch)
+                self.proposer.request_drafts((), ids[:n], starts, [table] * n, batch, num_drafts=k)
                 return self.proposer.receive_drafts()
             return call
 
+        # An eager draft of k drafts takes the LM head over k rows only (`DraftRunner.draft_logits`):
+        # `draft` holds the draft of the fewest, and what more drafts add goes with the verify of k.
+        drafted = [k for k in verify if k] or [block - 1]
         try:
             with torch.inference_mode():
                 verify_call(sizes[-1], block - 1)()  # first calls allocate and pick kernels: once
                 if draft is not None:
-                    draft_call(sizes[-1])()
+                    draft_call(sizes[-1], block - 1)()
                 for n in sizes:
                     for k in verify:
                         verify[k].append(time_call(verify_call(n, k), sync, warm_up=False))
                     if draft is not None:
-                        draft.append(time_call(draft_call(n), sync, warm_up=False))
+                        by_k = {k: time_call(draft_call(n, k), sync, warm_up=False) for k in drafted}
+                        draft.append(by_k[drafted[0]])
+                        for k in drafted[1:]:
+                            verify[k][-1] += max(0.0, by_k[k] - by_k[drafted[0]])
         finally:
             self.allocator.release(table)
         return sizes, verify, draft

@@ -161,9 +161,10 @@ class RemoteProposer(Proposer):
         self._pending = drafter_pb2.StepRequest(features=handle, positions=as_list(positions), slots=as_list(slots))
 
     def request_drafts(self, request_ids: list[str], bonus: list[int] | torch.Tensor, starts: list[int] | torch.Tensor,
-                       tables: list[list[int]], batch: AttentionBatch | None, group: int = 0) -> None:
-        """Ask for a block of drafts for the tokens after each bonus token; `receive_drafts(group)`
-        waits for them. `bonus` and `starts` as device tensors (a chained round's) go through the
+                       tables: list[list[int]], batch: AttentionBatch | None, group: int = 0,
+                       num_drafts: int | None = None) -> None:
+        """Ask for a block of drafts for the tokens after each bonus token (all B-1 of them: it is
+        asked before the round's k is final); `receive_drafts(group)` waits for them. `bonus` and `starts` as device tensors (a chained round's) go through the
         shared `chained_inputs`, copied there on the device without waiting for it. The drafter
         builds its own attention metadata from `tables`."""
         n = len(request_ids)

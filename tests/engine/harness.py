@@ -149,7 +149,7 @@ class OracleProposer(Proposer):
         assert features.shape[0] == positions.shape[0] == slots.shape[0]
         self.injected_positions.extend(positions.tolist())
 
-    def request_drafts(self, request_ids, bonus, starts, tables, batch):
+    def request_drafts(self, request_ids, bonus, starts, tables, batch, num_drafts=None):
         self._drafts = self.propose(request_ids, bonus, starts, batch)
 
     def receive_drafts(self):

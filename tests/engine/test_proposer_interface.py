@@ -45,7 +45,7 @@ class FakeProposer(Proposer):
         if name == self.lose_in and self.calls[name] == self.lose_at:
             raise ProposerLost(f"{name} lost the drafter")
 
-    def request_drafts(self, request_ids, bonus, starts, tables, batch, group=0):
+    def request_drafts(self, request_ids, bonus, starts, tables, batch, group=0, num_drafts=None):
         self._call("request_drafts")
         assert (batch is None) == self.drafts_in_background
         self.device_inputs.append(isinstance(bonus, torch.Tensor))

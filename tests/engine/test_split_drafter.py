@@ -51,7 +51,7 @@ class _Placeholder(Proposer):
         self.block_size = drafter.config.block_size
         self.target_layer_ids = drafter.config.target_layer_ids
 
-    def request_drafts(self, *args):
+    def request_drafts(self, *args, **kwargs):
         raise AssertionError("replaced before the first round")
 
     receive_drafts = inject_context = request_drafts

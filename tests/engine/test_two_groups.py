@@ -72,7 +72,7 @@ class Pipeline:
     def _oracle(references: dict[str, list[int]]):
         drafted: dict[str, int] = {}
 
-        def propose(request_ids, bonus, starts, batch):
+        def propose(request_ids, bonus, starts, batch, num_drafts=None):  # the drafter server drafts B-1
             drafts = torch.zeros(len(request_ids), B - 1, dtype=torch.long)
             for i, (rid, b, s) in enumerate(zip(request_ids, bonus.tolist(), starts.tolist(), strict=True)):
                 ref = references[rid]
@@ -101,8 +101,8 @@ def record_drafts(runner) -> dict[tuple[str, int], list[int]]:
     """What `runner.propose` drafts from now on: (request id, start) -> drafts."""
     drafted, propose = {}, runner.propose
 
-    def recorded(request_ids, bonus, starts, batch):
-        drafts = propose(request_ids, bonus, starts, batch)
+    def recorded(request_ids, bonus, starts, batch, num_drafts=None):
+        drafts = propose(request_ids, bonus, starts, batch, num_drafts)
         drafted.update(zip(zip(request_ids, starts.tolist()), drafts.tolist()))
         return drafts
 
