@@ -35,12 +35,14 @@ holding the row's maximum. So a sampling call is two launches whatever the mix o
 sampling rows, with no [R, V] temporary; a single 152k row spreads over 297 programs (`block_cols`).
 
 Measured on an H100 (`python -m dflash_serve.services.bench.sampling`, bf16 logits, T = 1, device
-time in a CUDA graph): 1 × 49152 in 4.0 µs against 111 for the torch reference, 512 × 151936 (a
-batch-32 round of Qwen) in 301 µs against 8.1 ms; 17–28× throughout, where `row_argmax` takes 3.5
-and 57 µs. The race is arithmetic-bound at large batches, not memory-bound like the argmax.
+time in a CUDA graph): 1 × 49152 in 4.0 µs against 111 for the torch reference (its int64 hash of
+then), 512 × 151936 (a batch-32 round of Qwen) in 301 µs against 8.1 ms; 17–28× throughout, where
+`row_argmax` takes 3.5 and 57 µs. The race is arithmetic-bound at large batches, not memory-bound
+like the argmax.
 
 `sample_race_reference` is the plain-torch version (the CPU path and the test oracle); it works on
-chunks of rows so that 512 rows of a 152k vocabulary never need gigabytes of int64 scratch.
+chunks of rows that fit a core's L2 cache (`CHUNK_ELEMENTS`), so 512 rows of a 152k vocabulary
+never need gigabytes of scratch either.
 """
 
 from __future__ import annotations

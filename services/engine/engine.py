@@ -6,7 +6,8 @@ sequence (spec §3):  draft → verify → accept → commit → trim.
 - k: how many drafts the round verifies, 0..B−1 (`SpeculationPolicy`: adaptive to the batch
   size, the measured acceptance and the measured costs, or fixed, or a static table);
 - draft: the proposer drafts B−1 tokens after each bonus token (positions s+1..s+B−1); the
-  first k are verified (k = 0: no draft forward, a plain AR step);
+  first k are verified (k = 0: no draft forward, a plain AR step), and an eager drafter in this
+  process takes the LM head of those k rows only;
 - verify: one target forward over [bonus, k drafts] at positions s..s+k (paged KV, causal);
 - accept: the target samples every slot (greedy or seeded sampling); drafts are accepted while
   they equal those samples, so every emitted token is the target's own;
