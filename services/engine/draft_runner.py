@@ -112,8 +112,8 @@ class DraftRunner(Proposer):
         self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])
         # cos/sin of every position [max_positions, 2, head_dim], as the model computes them per call:
         # the injection gathers its rows in one launch and the draft's RoPE kernel reads the table
-        # by position, where computing them took ~10 launches each (a tenth of an AR step's upkeep
-        # beside the drafter on the H100).
+        # by position, where computing them took ~10 launches each (on the H100 at batch 32 an
+        # injection replay took 27 µs with them, 15 without).
         with torch.no_grad():
             cos, sin = drafter.rotary.cos_sin(torch.arange(max_positions, device=drafter.device), drafter.dtype)
         self.rope = torch.stack([cos, sin], dim=1)
