@@ -115,9 +115,9 @@ def sample_race_reference(
             scores.masked_fill_(scores < rows_threshold[part, None], -math.inf)
         scores -= log_exponentials(keys[part], v)
         tokens[part] = scores.max(dim=1).indices  # the first maximum, as argmax, and faster on CPU
-        greedy_rows = greedy[part].nonzero()[:, 0]
-        if greedy_rows.numel():
-            tokens[start + greedy_rows] = rows[greedy_rows].argmax(dim=1)
+    greedy_rows = greedy.nonzero()[:, 0]
+    if greedy_rows.numel():
+        tokens[greedy_rows] = flat[greedy_rows].argmax(dim=1)
     return tokens.view(n, s)
 
 
