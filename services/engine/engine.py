@@ -65,15 +65,17 @@ from dflash_serve.services.engine.prefill_graphs import PrefillChunkView, Prefil
 from dflash_serve.services.engine.request import RequestOutput, Sequence, SequenceStatus
 from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, accept_drafts, resolve_seed, sample_tokens
 from dflash_serve.services.engine.scheduler import PrefillChunk, Scheduler
-from dflash_serve.services.engine.speculation import RoundCosts, SpeculationPolicy, time_call
+from dflash_serve.services.engine.speculation import RoundCosts, SpeculationPolicy, context_slope, time_call
 from dflash_serve.services.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
 from dflash_serve.services.engine.target_runner import TargetRunner
 from dflash_serve.services.engine.transfer import to_device
 
 log = logging.getLogger(__name__)
-# Where every sequence sits when round costs are measured: attention's share of a verify grows
-# with the context; this is a short chat's.
+# Where every sequence sits when round costs are measured: attention's share of a round grows
+# with the context, so they are measured at two (a short chat's, and a prompt's first blocks) and
+# the policy takes them at each batch's mean position.
 COST_CONTEXT = 256
+NEAR_COST_CONTEXT = 32
 # The largest batch whose eager rounds are timed at start-up (a CPU takes seconds per full batch).
 MAX_TIMED_BATCH = 32
 # Two groups are pipelined from 2 × this many decoding sequences (`Engine.min_group_size`), and
@@ -164,6 +166,11 @@ class _FirstTokens:
 
     seqs: list[Sequence]
     tokens: torch.Tensor  # [len(seqs)]
+
+
+def mean_position(seqs: list[Sequence]) -> float:
+    """The mean position of the next token of `seqs` (non-empty): their mean context."""
+    return sum(s.num_cached for s in seqs) / len(seqs)
 
 
 def _rows_held(seqs: list[Sequence], source: _Round | _FirstTokens | None) -> list[list[int]]:
@@ -375,6 +382,11 @@ class Engine:
         outputs, self._outputs = self._outputs, []
         return outputs
 
+    def _choose_k(self, seqs: list[Sequence]) -> int:
+        """The policy's k for a round over `seqs`, at their mean position (a round's cost grows
+        with the context its attention reads)."""
+        return self.speculation.choose([s.params.num_speculative_tokens for s in seqs], mean_position(seqs))
+
     def _observe_round_time(self, rnd: _Round, launched_next: _Round | None = None) -> None:
         """Give the speculation policy the wall time of a round just read: from the later of its
         launch and the last round's read, which is what it added to the serving loop — the step
@@ -386,7 +398,7 @@ class Engine:
         start = rnd.launched_at if self._last_read_at is None else max(rnd.launched_at, self._last_read_at)
         self._last_read_at = now
         if rnd.timed and rnd.proposer is not None and (launched_next is None or launched_next.k == rnd.k):
-            self.speculation.observe_round_time(len(rnd.seqs), rnd.k, now - start)
+            self.speculation.observe_round_time(len(rnd.seqs), rnd.k, now - start, mean_position(rnd.seqs))
 
     def _room_for_chained_round(self, previous: _Round) -> bool:
         """Whether the next round can start before `previous` is read: the same sequences (none
@@ -457,7 +469,7 @@ class Engine:
         half = (len(seqs) + 1) // 2
         self._groups = [_Group(0, seqs[:half]), _Group(1, seqs[half:])]
         for group in self._groups:
-            k = self.speculation.choose([s.params.num_speculative_tokens for s in group.seqs])
+            k = self._choose_k(group.seqs)
             group.k = self._ask_for_drafts(group.seqs, None, [s.bonus for s in group.seqs],
                                            [s.num_cached for s in group.seqs], k, group.index)
         for group in self._groups:
@@ -484,7 +496,7 @@ class Engine:
         goes_on = (self.proposer is not None and all(s.status is SequenceStatus.RUNNING for s in seqs)
                    and not self._admission_waits() and self.scheduler.grow_for_chained_round(seqs))
         if goes_on:
-            k = self.speculation.choose([s.params.num_speculative_tokens for s in seqs])
+            k = self._choose_k(seqs)
             k = self._ask_for_drafts(seqs, rnd, rnd.next_bonus, rnd.next_starts, k, group.index)
             if self.proposer is not None:
                 group.k = k
@@ -648,7 +660,7 @@ class Engine:
         if group is not None:
             k = group.k if proposer is not None else 0
         else:  # a drafter in the background is asked first: it drafts while this process prepares the verify
-            k = self.speculation.choose([s.params.num_speculative_tokens for s in seqs]) if proposer is not None else 0
+            k = self._choose_k(seqs) if proposer is not None else 0
             k = self._ask_for_drafts(seqs, previous, bonus_ids, starts, k)
             proposer = self.proposer  # None if lost
         inputs = self._round_inputs(n, k, bonus_ids, starts, tables)
@@ -876,29 +888,45 @@ class Engine:
     def measure_round_costs(self, context: int = COST_CONTEXT) -> None:
         """Time this engine's own round shapes (`RoundCosts`) for the adaptive policy and the
         two-group gate (`_two_groups_pay`): the verify of every k bucket and the draft, at a few
-        batch sizes, every sequence at position `context`. With CUDA graphs, by replaying them (on
-        scratch blocks); else by eager forwards on borrowed free blocks, which all rows of a batch
-        share (the writes collide harmlessly: only the time counts). Does nothing when neither
-        needs them: no batch size left to the policy, and a drafter that cannot pipeline."""
+        batch sizes, every sequence at position `context`; and the verify of k = 0 and the draft
+        again at NEAR_COST_CONTEXT, for what a position of context adds. With CUDA graphs, by
+        replaying them (on scratch blocks); else by eager forwards on borrowed free blocks, which
+        all rows of a batch share (the writes collide harmlessly: only the time counts). Does
+        nothing when neither needs them: no batch size left to the policy, and a drafter that
+        cannot pipeline."""
         policy = self.speculation
         if self.proposer is None or not (policy.needs_costs() or self.proposer.draft_groups == 2):
             return
         t0 = time.perf_counter()
-        block = self.block_size
-        context = max(0, min(context, self.max_model_len - block))
-        graphs = self.graphs
-        if graphs is not None and graphs.fits(self.proposer, block) and set(policy.ks) <= set(graphs.k_buckets):
-            timed = graphs.time_round(context)
-            sizes = sorted(timed["verify"])
-            verify = {k: [timed["verify"][n][k] for n in sizes] for k in policy.ks}
-            draft = [timed["draft"][n] for n in sizes] if timed["draft"] else None
-        else:
-            sizes, verify, draft = self._time_eager_rounds(context)
-        policy.costs = RoundCosts(sizes, verify, draft)
+        context = max(0, min(context, self.max_model_len - self.block_size))
+        near = min(NEAR_COST_CONTEXT, context // 2)
+        sizes, verify, draft = self._time_rounds(context, policy.ks)
+        slopes = {}
+        if near < context:
+            # k = 0, and the draft of the fewest drafts as at `context` (the smallest k > 0's)
+            _, verify_near, draft_near = self._time_rounds(near, policy.ks[:2])
+            slopes["verify_slope"] = context_slope(verify[0], verify_near[0], context, near)
+            if draft is not None:
+                slopes["draft_slope"] = context_slope(draft, draft_near, context, near)
+        policy.costs = RoundCosts(sizes, verify, draft, context=context, **slopes)
         log.info("round costs measured in %.0f ms (batch sizes %s, k %s)", 1e3 * (time.perf_counter() - t0),
                  sizes, list(policy.ks))
 
-    def _time_eager_rounds(self, context: int) -> tuple[list[int], dict, list[float] | None]:
+    def _time_rounds(self, context: int, ks: tuple[int, ...]) -> tuple[list[int], dict, list[float] | None]:
+        """Batch sizes, the verify seconds of each k in `ks` per size, and the draft's per size
+        (None where this process does not draft), every sequence at position `context`: by the
+        graphs' replays where they serve every k the policy may choose, else eagerly."""
+        graphs = self.graphs
+        if (graphs is not None and graphs.fits(self.proposer, self.block_size)
+                and set(self.speculation.ks) <= set(graphs.k_buckets)):
+            timed = graphs.time_round(context)
+            sizes = sorted(timed["verify"])
+            verify = {k: [timed["verify"][n][k] for n in sizes] for k in ks}
+            draft = [timed["draft"][n] for n in sizes] if timed["draft"] else None
+            return sizes, verify, draft
+        return self._time_eager_rounds(context, ks)
+
+    def _time_eager_rounds(self, context: int, ks: tuple[int, ...]) -> tuple[list[int], dict, list[float] | None]:
         """Eager forwards at batch sizes 1, 4, half of max_num_seqs and max_num_seqs; `RoundCosts`
         interpolates between them. On a CPU a forward's time is not linear in the batch, so the
         line through 1 and 4 alone misjudged a full batch both ways for the default pair (16
@@ -913,7 +941,7 @@ class Engine:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         table: list[int] = []
         self.allocator.grow(table, context + block)
-        verify: dict[int, list[float]] = {k: [] for k in self.speculation.ks}
+        verify: dict[int, list[float]] = {k: [] for k in ks}
         draft: list[float] | None = None if self.proposer.drafts_in_background else []
 
         def shapes(n: int, width: int):

@@ -8,9 +8,10 @@ tokens per second,
 
     sum_i E[accepted_i + 1 | min(k, cap_i)]  /  (draft(n) [k > 0] + verify(n, k)),
 
-from verify and draft costs the engine measured for its own shapes at start-up (`RoundCosts`),
-corrected online by the wall time rounds of each k actually take (the host's share and sampling
-are not in a graph replay, and on a small model they dominate), and the acceptance measured
+from verify and draft costs the engine measured for its own shapes at start-up (`RoundCosts`) at
+the batch's mean context, corrected online by the wall time rounds of each k actually take (the
+host's share and sampling are not in a graph replay, and on a small model they dominate), and the
+acceptance measured
 online per draft position (`AcceptanceTracker`). `cap_i` is a request's own limit
 (`SamplingParams.num_speculative_tokens`; 0 opts out).
 
@@ -106,7 +107,14 @@ class AcceptanceTracker:
 
 class RoundCosts:
     """Seconds of a round's verify (per batch size and k bucket) and draft forward (per batch
-    size), at the batch sizes measured; between them, linear in the batch size.
+    size), at the batch sizes measured; between them, linear in the batch size. Measured with
+    every sequence at position `context`; a batch at another mean context adds `verify_slope`
+    (and, with a draft, `draft_slope`) seconds per position, per batch size — the attention's
+    reads of the context, measured for k = 0 and taken for every k (on CPU, the default pair at
+    32 sequences: from context 32 to 256 a verify took 60 ms more at k = 0, 63 at k = 1, 68 at
+    k = 7, 83 at k = 15, on a k = 0 step of 92 ms). Without it, costs measured at position 256
+    made an AR step of 16 sequences at context ~120 cost 103 ms where it took 84, and the
+    policy speculated where AR was faster.
 
     A drafter in another process cannot be timed at start-up: its cost is learnt from the rounds
     (`observe_draft`), starting at 0 where unobserved — optimistic, so that rounds speculate and
@@ -123,11 +131,17 @@ class RoundCosts:
     look slow until the policy, no longer choosing it, never measures it again. One factor
     serves every k > 0: on the H100 at batch 32 it was 1.11, 1.13 and 1.14 for k = 1, 7 and 15
     (1.20 for AR steps beside a drafter), and every speculative round keeps it current, where a
-    factor per k kept, for the ks the policy stopped choosing, whatever their few rounds said.
+    factor per k kept, for the ks the policy stopped choosing, whatever their few rounds said. A
+    kind never observed at a size takes the other kind's factor there where that is below 1 (a
+    start-up that read slow, e.g. under load, did so for both): with 1 for AR steps beside 0.95
+    measured for speculative rounds, AR looked dearer than it was and was never chosen, so never
+    measured. Above 1 it keeps 1: a speculative round's own extra work (sampling more rows) is
+    not an AR step's, and an unobserved kind must look no worse than its prediction to be tried.
     """
 
     def __init__(self, batch_sizes: Sequence[int], verify: dict[int, Sequence[float]],
-                 draft: Sequence[float] | None, *, draft_rate: float = 0.1, wall_rate: float = 0.05):
+                 draft: Sequence[float] | None, *, context: int = 0, verify_slope: Sequence[float] | None = None,
+                 draft_slope: Sequence[float] | None = None, draft_rate: float = 0.1, wall_rate: float = 0.05):
         self.batch_sizes = list(batch_sizes)
         if self.batch_sizes != sorted(set(self.batch_sizes)) or not self.batch_sizes:
             raise ValueError(f"batch sizes {batch_sizes} must be distinct and ascending")
@@ -141,6 +155,13 @@ class RoundCosts:
         self.verify = {k: [by_size[i][j] for i in range(len(self.batch_sizes))] for j, k in enumerate(ks)}
         self.measured_draft = draft is not None
         self.draft = monotone(draft) if draft is not None else [0.0] * len(self.batch_sizes)
+        self.context = context
+        none = [0.0] * len(self.batch_sizes)
+        for name, slope in (("verify", verify_slope), ("draft", draft_slope)):
+            if slope is not None and len(slope) != len(self.batch_sizes):
+                raise ValueError(f"{name} slope: {len(slope)} values for {len(self.batch_sizes)} batch sizes")
+        self.verify_slope = monotone(verify_slope) if verify_slope is not None else none
+        self.draft_slope = monotone(draft_slope) if draft_slope is not None else none
         self.draft_rate = draft_rate
         self.wall_rate = wall_rate
         self.wall_factor: dict[tuple[bool, int], float] = {}  # (k > 0, index of the nearest batch size) -> wall / predicted
@@ -163,23 +184,34 @@ class RoundCosts:
     def draft_seconds(self, n: int) -> float:
         return self._interpolate(self.draft, n)
 
-    def predicted_seconds(self, n: int, k: int) -> float:
-        """A round's forwards at batch n verifying k drafts (no draft forward when k = 0)."""
-        return self.verify_seconds(n, k) + (self.draft_seconds(n) if k else 0.0)
+    def predicted_seconds(self, n: int, k: int, context: float | None = None) -> float:
+        """A round's forwards at batch n verifying k drafts (no draft forward when k = 0), with
+        the sequences at mean position `context` (None: where they were measured)."""
+        seconds = self.verify_seconds(n, k) + (self.draft_seconds(n) if k else 0.0)
+        if context is None:
+            return seconds
+        slope = self._interpolate(self.verify_slope, n) + (self._interpolate(self.draft_slope, n) if k else 0.0)
+        return max(seconds + slope * (context - self.context), 0.0)
 
-    def round_seconds(self, n: int, k: int) -> float:
+    def round_seconds(self, n: int, k: int, context: float | None = None) -> float:
         """The expected wall time of such a round: the prediction, corrected by what rounds took."""
-        return self.predicted_seconds(n, k) * self.wall_factor.get((k > 0, self._nearest(n)), 1.0)
+        return self.predicted_seconds(n, k, context) * self._wall_factor(k > 0, self._nearest(n))
 
-    def observe_round(self, n: int, k: int, seconds: float) -> None:
-        """A round at batch n verifying k drafts added `seconds` of wall time to the loop."""
-        predicted = self.predicted_seconds(n, k)
+    def observe_round(self, n: int, k: int, seconds: float, context: float | None = None) -> None:
+        """A round at batch n verifying k drafts, at mean position `context`, added `seconds` of
+        wall time to the loop."""
+        predicted = self.predicted_seconds(n, k, context)
         if predicted <= 0 or seconds <= 0:
             return
         key = (k > 0, self._nearest(n))
-        old = self.wall_factor.get(key, 1.0)
+        old = self._wall_factor(*key)
         ratio = min(seconds / predicted, OUTLIER_FACTOR * old)
         self.wall_factor[key] = old + self.wall_rate * (ratio - old)
+
+    def _wall_factor(self, speculative: bool, at: int) -> float:
+        """The factor of a kind of round at a size: its own, else the other kind's there up to 1."""
+        own = self.wall_factor.get((speculative, at))
+        return own if own is not None else min(1.0, self.wall_factor.get((not speculative, at), 1.0))
 
     def _nearest(self, n: int) -> int:
         """The index of the measured batch size nearest n (the smaller on a tie)."""
@@ -215,6 +247,16 @@ def time_call(run: Callable[[], None], sync: Callable[[], None], *, reps: int = 
         if best > budget_s:
             break
     return best
+
+
+def context_slope(far: Sequence[float], near: Sequence[float], far_context: int, near_context: int) -> list[float]:
+    """Seconds per position of context, per batch size, from the same round timed at two
+    contexts. Never negative (timing noise), and never so steep that the line through `far`
+    would cost less than nothing at position 0."""
+    span = far_context - near_context
+    if span <= 0:
+        raise ValueError(f"contexts {near_context} and {far_context}: the far one must be larger")
+    return [min(max(0.0, (f - n) / span), f / far_context) for f, n in zip(far, near, strict=True)]
 
 
 def monotone(values: Sequence[float]) -> list[float]:
@@ -255,8 +297,9 @@ class SpeculationPolicy:
         """Whether some batch size is left to the adaptive policy (the table does not cover all)."""
         return self.block_size > 1 and self.mode == "adaptive" and (not self.table or table_k(self.table, 1) is None)
 
-    def choose(self, caps: Sequence[int | None]) -> int:
-        """k for a batch whose requests allow at most caps[i] drafts (None: no limit)."""
+    def choose(self, caps: Sequence[int | None], context: float | None = None) -> int:
+        """k for a batch whose requests allow at most caps[i] drafts (None: no limit), at mean
+        position `context` (None: the costs' own)."""
         top = self.block_size - 1
         caps = [top if c is None else min(c, top) for c in caps]
         limit = max(caps, default=0)
@@ -272,12 +315,12 @@ class SpeculationPolicy:
         if self._probe_rounds_left:  # the probe's k is ≤ limit: limit ≥ 1 here
             self._probe_rounds_left -= 1
             return self._probe_k
-        k = self._best_k(caps, limit, self.tracker.acceptance)
+        k = self._best_k(caps, limit, self.tracker.acceptance, context)
         if k:
             self._ar_rounds = 0
             return k
         self._ar_rounds += 1
-        if self._ar_rounds >= self.probe_interval and self._best_k(caps, limit, [self.tracker.prior] * top):
+        if self._ar_rounds >= self.probe_interval and self._best_k(caps, limit, [self.tracker.prior] * top, context):
             self._ar_rounds, self._probe_rounds_left = 0, PROBE_ROUNDS - 1
             return self._probe_k
         return 0
@@ -285,7 +328,7 @@ class SpeculationPolicy:
     def _bucket_at_most(self, k: int) -> int:
         return max(b for b in self.ks if b <= k)
 
-    def _best_k(self, caps: Sequence[int], limit: int, acceptance: Sequence[float]) -> int:
+    def _best_k(self, caps: Sequence[int], limit: int, acceptance: Sequence[float], context: float | None) -> int:
         # Every round chooses, on the host's critical path: per distinct cap, not per sequence.
         n, costs = len(caps), self.costs
         expected, counts = expected_tokens(acceptance[:limit]), collections.Counter(caps).items()
@@ -294,7 +337,7 @@ class SpeculationPolicy:
             if k > limit:
                 break
             gain = sum(expected[min(k, c)] * m for c, m in counts)
-            seconds = costs.round_seconds(n, k)
+            seconds = costs.round_seconds(n, k, context)
             rate = gain / seconds if seconds > 0 else math.inf
             if rate > best_rate * (1 + 1e-9):  # ties go to the smaller k
                 best_k, best_rate = k, rate
@@ -303,7 +346,7 @@ class SpeculationPolicy:
     def observe_round(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
         self.tracker.observe_round(verified, accepted)
 
-    def observe_round_time(self, n: int, k: int, seconds: float) -> None:
-        """Wall seconds of a round in steady decoding (see `RoundCosts`)."""
+    def observe_round_time(self, n: int, k: int, seconds: float, context: float | None = None) -> None:
+        """Wall seconds of a round in steady decoding at mean position `context` (see `RoundCosts`)."""
         if self.costs is not None and self.mode == "adaptive":
-            self.costs.observe_round(n, k, seconds)
+            self.costs.observe_round(n, k, seconds, context)

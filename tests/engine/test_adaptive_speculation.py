@@ -17,6 +17,7 @@ import types
 import pytest
 import torch
 
+from dflash_serve.services.engine.engine import COST_CONTEXT
 from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.engine.speculation import RoundCosts
 from tests.conftest import drafter_config, random_drafter
@@ -85,7 +86,7 @@ def test_a_k_changing_every_round_is_lossless_and_the_drafters_context_stays_exa
     target, drafter = pair
     engine = build_engine(target, drafter=drafter)
     order = itertools.cycle([3, 0, 5, 1, 0, 4, 2, 5, 0])
-    engine.speculation.choose = lambda caps: next(order)
+    engine.speculation.choose = lambda caps, context: next(order)
     ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, _params(), strict=True)]
     while engine.has_unfinished():
         engine.step()
@@ -106,6 +107,12 @@ def test_the_adaptive_policy_is_lossless_on_measured_costs(pair, references):
     assert costs.ks == engine.speculation.ks == (0, 1, 3, 5)
     assert costs.batch_sizes == [1, 4, 8]  # eager: 1, 4, max_num_seqs / 2 (4 here) and max_num_seqs, interpolated between
     assert all(s > 0 for k in costs.ks for s in costs.verify[k])
+    # Timed at COST_CONTEXT and again (k = 0 and the draft) at NEAR_COST_CONTEXT: a slope per size.
+    assert costs.context == COST_CONTEXT and len(costs.verify_slope) == len(costs.draft_slope) == 3
+    assert all(s >= 0 for s in costs.verify_slope + costs.draft_slope)
+    contexts = []
+    choose = engine.speculation.choose
+    engine.speculation.choose = lambda caps, context: contexts.append((len(caps), context)) or choose(caps, context)
     done = engine.generate(PROMPTS, _params())
     _check_lossless(engine, done, references, target)
     ks = {r.k for r in engine.round_log}
@@ -113,6 +120,11 @@ def test_the_adaptive_policy_is_lossless_on_measured_costs(pair, references):
     # Whether drafting pays on this CPU's measured costs varies; where a round drafted, the
     # untrained drafter's acceptance was measured.
     assert (max(ks) > 0) == (engine.speculation.tracker.trials[0] > 0)
+    # Each round is costed at its batch's mean position: the prompts' mean length, then growing
+    # by what rounds commit while the three decode together (then the requests left).
+    assert contexts[0] == (3, sum(map(len, PROMPTS)) / 3)
+    together = [c for n, c in contexts if n == 3]
+    assert len(together) > 1 and together == sorted(together) and together[-1] < together[0] + MAX_TOKENS
 
 
 def test_adaptive_rounds_follow_load_and_acceptance_with_known_costs(pair):
@@ -170,7 +182,7 @@ def test_forced_k_with_prefix_cache_hits_across_turns(pair):
     dense = build_engine(target, drafter=drafter, enable_prefix_caching=False)
     for engine in (cached, dense):
         order = itertools.cycle([2, 0, 5, 1])
-        engine.speculation.choose = lambda caps, order=order: next(order)
+        engine.speculation.choose = lambda caps, context, order=order: next(order)
     params = SamplingParams(temperature=0.0, max_tokens=14)
     history = []
     for user in ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8, 9, 7, 9, 3]):
@@ -209,7 +221,7 @@ def test_round_wall_times_leave_out_prefills_and_launches_of_another_k(pair, cha
         if choose is not None:
             engine.speculation.choose = choose
         observed = []
-        engine.speculation.observe_round_time = lambda n, k, seconds: observed.append((n, k, seconds))
+        engine.speculation.observe_round_time = lambda n, k, seconds, context: observed.append((n, k, seconds))
         return engine, observed
 
     engine, observed = engine_on_the_clock()
@@ -237,7 +249,7 @@ def test_round_wall_times_leave_out_prefills_and_launches_of_another_k(pair, cha
     assert observed and all(seconds < 1000 for _, _, seconds in observed)
 
     order = itertools.cycle([3, 0])
-    engine, observed = engine_on_the_clock(choose=lambda caps: next(order))
+    engine, observed = engine_on_the_clock(choose=lambda caps, context: next(order))
     engine.generate([[1, 2, 3]], [SamplingParams(temperature=0.0, max_tokens=12)])
     if chain_rounds:
         assert all(seconds == 0.0 for _, _, seconds in observed)

@@ -190,7 +190,7 @@ def test_remote_drafter_is_lossless_for_every_k(pair, rounds):
     engine, server, proposer = _remote_engine(target, drafter, shared, **options)
     if rounds == "changing":
         order = iter([2, 0, 4, 1, 0, 3] * 100)
-        engine.speculation.choose = lambda caps: next(order)
+        engine.speculation.choose = lambda caps, context: next(order)
     if rounds == "adaptive":  # measured at attach: the verify only; the drafter's cost is learnt
         assert engine.speculation.costs is not None and not engine.speculation.costs.measured_draft
     done = engine.generate(prompts, params)

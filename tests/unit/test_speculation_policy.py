@@ -11,6 +11,7 @@ from dflash_serve.services.engine.speculation import (
     AcceptanceTracker,
     RoundCosts,
     SpeculationPolicy,
+    context_slope,
     expected_tokens,
     k_buckets,
     table_k,
@@ -73,6 +74,52 @@ def test_noisy_measurements_are_made_monotone_in_batch_size_and_k():
     assert costs.verify[0] == [2.0, 2.0]  # a larger batch never costs less
     assert costs.verify[1] == [2.0, 3.0]  # nor a larger k
     assert costs.draft == [0.3, 0.3]
+
+
+def test_costs_follow_the_batchs_mean_context():
+    """Measured at position 256; every position of context adds its batch size's slope — the
+    verify's to every round, the draft's to a speculative one."""
+    costs = RoundCosts([1, 16], {0: [1.0, 10.0], 3: [2.0, 16.0]}, [0.5, 4.0], context=256,
+                       verify_slope=[0.001, 0.02], draft_slope=[0.0, 0.004])
+    assert costs.predicted_seconds(16, 0) == costs.predicted_seconds(16, 0, 256) == 10.0
+    assert costs.predicted_seconds(16, 0, 128) == pytest.approx(10.0 - 128 * 0.02)
+    assert costs.predicted_seconds(16, 3, 128) == pytest.approx(16.0 + 4.0 - 128 * (0.02 + 0.004))
+    assert costs.predicted_seconds(8, 0, 512) == pytest.approx(1.0 + 9.0 * 7 / 15 + 256 * (0.001 + 0.019 * 7 / 15))
+    assert costs.round_seconds(16, 0, 128) == costs.predicted_seconds(16, 0, 128)  # no wall time observed
+    # The wall factor is learnt against the prediction at the round's own context.
+    costs.observe_round(16, 0, 2 * costs.predicted_seconds(16, 0, 64), 64)
+    assert costs.wall_factor[(False, 1)] == pytest.approx(1.05)
+    # Never below nothing, and slopes are monotone in the batch size like the costs.
+    assert RoundCosts([1], {0: [1.0]}, None, context=256, verify_slope=[0.1]).predicted_seconds(1, 0, 0) == 0.0
+    assert RoundCosts([1, 4], {0: [1.0, 2.0]}, None, verify_slope=[0.2, 0.1]).verify_slope == [0.2, 0.2]
+    with pytest.raises(ValueError, match="verify slope: 1 values for 2 batch sizes"):
+        RoundCosts([1, 4], {0: [1.0, 2.0]}, None, verify_slope=[0.1])
+
+
+def test_context_slope_from_two_timings():
+    assert context_slope([3.0, 9.0], [1.0, 2.0], 256, 32) == pytest.approx([2 / 224, 7 / 224])
+    assert context_slope([1.0], [1.2], 256, 32) == [0.0]  # noise: the near one read slower
+    assert context_slope([1.0], [0.01], 256, 32) == [1.0 / 256]  # the line from far never goes below 0 at 0
+    with pytest.raises(ValueError, match="far one must be larger"):
+        context_slope([1.0], [1.0], 32, 32)
+
+
+def test_an_unobserved_kind_of_round_takes_the_other_kinds_factor_up_to_1():
+    """Start-up timings that read slow for both kinds (load, context) must not leave the kind the
+    policy never chooses looking slow — it would never be measured; a kind's own extra work,
+    above 1, is not the other's."""
+    costs = _costs(lambda n, k: 1.0)
+    for _ in range(200):
+        costs.observe_round(8, 7, 0.8)
+    assert costs.round_seconds(8, 7) == pytest.approx(0.8, rel=0.01)
+    assert costs.round_seconds(8, 0) == pytest.approx(0.8, rel=0.01)  # unobserved: the speculative factor
+    costs.observe_round(8, 0, 1.0)
+    assert costs.round_seconds(8, 0) == pytest.approx(0.8 + 0.05 * 0.2, rel=0.01)  # then its own, from there
+    assert costs.round_seconds(1, 0) == 1.0  # another size: none observed
+    for _ in range(200):
+        costs.observe_round(1, 0, 3.0)
+    assert costs.round_seconds(1, 0) == pytest.approx(3.0, rel=0.01)
+    assert costs.round_seconds(1, 7) == 1.0  # above 1: the prediction
 
 
 def test_a_remote_drafters_cost_is_learnt_from_rounds_starting_optimistic():
