@@ -937,7 +937,7 @@ class Engine:
         largest size timed is at most MAX_TIMED_BATCH; larger batches extrapolate from it."""
         block, page, device = self.block_size, self.allocator.block_size, self.device
         largest = min(self.config.max_num_seqs, MAX_TIMED_BATCH)
-        sizes = sorted({min(n, largest) for n in (1, 4, largest // 2, largest)})
+        sizes = sorted({max(1, min(n, largest)) for n in (1, 4, largest // 2, largest)})  # max_num_seqs 1: just 1
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         table: list[int] = []
         self.allocator.grow(table, context + block)

@@ -127,6 +127,16 @@ def test_the_adaptive_policy_is_lossless_on_measured_costs(pair, references):
     assert len(together) > 1 and together == sorted(together) and together[-1] < together[0] + MAX_TOKENS
 
 
+def test_costs_are_measured_for_a_batch_of_one(pair, references):
+    """max_num_seqs 1 (`dflash bench --concurrency 1` sizes the engine so): half the largest
+    batch is 0, which is no batch to time — the engine failed at start-up on CPU."""
+    target, drafter = pair
+    engine = build_engine(target, drafter=drafter, speculation="adaptive", max_num_seqs=1)
+    assert engine.speculation.costs.batch_sizes == [1]
+    done = engine.generate(PROMPTS, _params())
+    _check_lossless(engine, done, references, target)
+
+
 def test_adaptive_rounds_follow_load_and_acceptance_with_known_costs(pair):
     """With costs that make deep rounds pay at batch 1 but not at batch 8, an oracle accepting
     everything gets k = B−1 alone and AR in a full batch; the output is the target's throughout."""
