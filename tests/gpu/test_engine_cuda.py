@@ -303,7 +303,7 @@ def test_cuda_graphs_per_k_bucket_stay_lossless(async_scheduling):
     graphs.verify = lambda bucket, k: replayed.append(k) or verify(bucket, k)
     order = iter([3, 0, B - 1, 1, 2, 0, 0, B - 1] * 100)
     adaptive = engine.speculation.choose
-    engine.speculation.choose = lambda caps: next(order)
+    engine.speculation.choose = lambda caps, context: next(order)
     launched = []
     launch = engine._launch_round
     engine._launch_round = lambda seqs, previous=None, *rest: launched.append(previous is not None) or launch(seqs, previous, *rest)
