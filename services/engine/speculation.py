@@ -111,8 +111,8 @@ class RoundCosts:
     every sequence at position `context`; a batch at another mean context adds `verify_slope`
     (and, with a draft, `draft_slope`) seconds per position, per batch size — the attention's
     reads of the context, measured for k = 0 and taken for every k (on CPU, the default pair at
-    32 sequences: from context 32 to 256 a verify took 60 ms more at k = 0, 63 at k = 1, 68 at
-    k = 7, 83 at k = 15, on a k = 0 step of 92 ms). Without it, costs measured at position 256
+    32 sequences: from context 32 to 256 a verify took 64 ms more at k = 0, 61 at k = 1, 74 at
+    k = 7, 85 at k = 15, on a k = 0 step of 92 ms). Without it, costs measured at position 256
     made an AR step of 16 sequences at context ~120 cost 103 ms where it took 84, and the
     policy speculated where AR was faster.
 
