@@ -11,9 +11,8 @@ tokens per second,
 from verify and draft costs the engine measured for its own shapes at start-up (`RoundCosts`) at
 the batch's mean context, corrected online by the wall time rounds of each k actually take (the
 host's share and sampling are not in a graph replay, and on a small model they dominate), and the
-acceptance measured
-online per draft position (`AcceptanceTracker`). `cap_i` is a request's own limit
-(`SamplingParams.num_speculative_tokens`; 0 opts out).
+acceptance measured online per draft position (`AcceptanceTracker`). `cap_i` is a request's own
+limit (`SamplingParams.num_speculative_tokens`; 0 opts out).
 
 k is chosen from a few buckets, 0, 1, 3, 7, B−1 (and the values of a static table): on a GPU each
 is a set of CUDA graphs per batch-size bucket, so the set stays small; the expected tokens of a
@@ -156,12 +155,11 @@ class RoundCosts:
         self.measured_draft = draft is not None
         self.draft = monotone(draft) if draft is not None else [0.0] * len(self.batch_sizes)
         self.context = context
-        none = [0.0] * len(self.batch_sizes)
         for name, slope in (("verify", verify_slope), ("draft", draft_slope)):
             if slope is not None and len(slope) != len(self.batch_sizes):
                 raise ValueError(f"{name} slope: {len(slope)} values for {len(self.batch_sizes)} batch sizes")
-        self.verify_slope = monotone(verify_slope) if verify_slope is not None else none
-        self.draft_slope = monotone(draft_slope) if draft_slope is not None else none
+        self.verify_slope = monotone(verify_slope or [0.0] * len(self.batch_sizes))
+        self.draft_slope = monotone(draft_slope or [0.0] * len(self.batch_sizes))
         self.draft_rate = draft_rate
         self.wall_rate = wall_rate
         self.wall_factor: dict[tuple[bool, int], float] = {}  # (k > 0, index of the nearest batch size) -> wall / predicted
