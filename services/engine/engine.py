@@ -393,7 +393,9 @@ class Engine:
         period of chained rounds, launch to read for one that ran alone (the first after the
         batch changed: most rounds at high concurrency, where requests end every few rounds).
         Not a round that queued behind a prefill, or was chained on one, nor one whose time also
-        holds the host's launch of a round of another k (`launched_next`)."""
+        holds the host's launch of a round of another k (`launched_next`). Its context is the
+        sequences' mean position now, a round's commit past where it ran: a few positions of
+        hundreds."""
         now = time.perf_counter()
         start = rnd.launched_at if self._last_read_at is None else max(rnd.launched_at, self._last_read_at)
         self._last_read_at = now
