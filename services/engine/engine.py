@@ -902,11 +902,13 @@ class Engine:
         t0 = time.perf_counter()
         context = max(0, min(context, self.max_model_len - self.block_size))
         near = min(NEAR_COST_CONTEXT, context // 2)
-        sizes, verify, draft = self._time_rounds(context, policy.ks)
+        # An eager draft of k drafts takes the LM head over k rows only (`DraftRunner.draft_logits`):
+        # the draft is timed for each k > 0, and at `near` for the fewest, as `draft` holds.
+        drafted = [k for k in policy.ks if k] or [self.block_size - 1]
+        sizes, verify, draft = self._time_rounds(context, policy.ks, drafted)
         slopes = {}
         if near < context:
-            # k = 0, and the draft of the fewest drafts as at `context` (the smallest k > 0's)
-            _, verify_near, draft_near = self._time_rounds(near, policy.ks[:2])
+            _, verify_near, draft_near = self._time_rounds(near, (0,), drafted[:1])
             slopes["verify_slope"] = context_slope(verify[0], verify_near[0], context, near)
             if draft is not None:
                 slopes["draft_slope"] = context_slope(draft, draft_near, context, near)
@@ -914,10 +916,12 @@ class Engine:
         log.info("round costs measured in %.0f ms (batch sizes %s, k %s)", 1e3 * (time.perf_counter() - t0),
                  sizes, list(policy.ks))
 
-    def _time_rounds(self, context: int, ks: tuple[int, ...]) -> tuple[list[int], dict, list[float] | None]:
+    def _time_rounds(self, context: int, ks: tuple[int, ...],
+                     drafted: list[int]) -> tuple[list[int], dict, list[float] | None]:
         """Batch sizes, the verify seconds of each k in `ks` per size, and the draft's per size
         (None where this process does not draft), every sequence at position `context`: by the
-        graphs' replays where they serve every k the policy may choose, else eagerly."""
+        graphs' replays where they serve every k the policy may choose (their draft covers the
+        whole block), else eagerly (`_time_eager_rounds`, with drafts of each of `drafted`)."""
         graphs = self.graphs
         if (graphs is not None and graphs.fits(self.proposer, self.block_size)
                 and set(self.speculation.ks) <= set(graphs.k_buckets)):
@@ -926,9 +930,10 @@ class Engine:
             verify = {k: [timed["verify"][n][k] for n in sizes] for k in ks}
             draft = [timed["draft"][n] for n in sizes] if timed["draft"] else None
             return sizes, verify, draft
-        return self._time_eager_rounds(context, ks)
+        return self._time_eager_rounds(context, ks, drafted)
 
-    def _time_eager_rounds(self, context: int, ks: tuple[int, ...]) -> tuple[list[int], dict, list[float] | None]:
+    def _time_eager_rounds(self, context: int, ks: tuple[int, ...],
+                           drafted: list[int]) -> tuple[list[int], dict, list[float] | None]:
         """Eager forwards at batch sizes 1, 4, half of max_num_seqs and max_num_seqs; `RoundCosts`
         interpolates between them. On a CPU a forward's time is not linear in the batch, so the
         line through 1 and 4 alone misjudged a full batch both ways for the default pair (16
@@ -966,9 +971,7 @@ class Engine:
                 return self.proposer.receive_drafts()
             return call
 
-        # An eager draft of k drafts takes the LM head over k rows only (`DraftRunner.draft_logits`):
-        # `draft` holds the draft of the fewest, and what more drafts add goes with the verify of k.
-        drafted = [k for k in verify if k] or [block - 1]
+        # `draft` holds the draft of the fewest drafts; what more drafts add goes with the verify of k.
         try:
             with torch.inference_mode():
                 verify_call(sizes[-1], block - 1)()  # first calls allocate and pick kernels: once

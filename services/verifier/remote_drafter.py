@@ -164,9 +164,10 @@ class RemoteProposer(Proposer):
                        tables: list[list[int]], batch: AttentionBatch | None, group: int = 0,
                        num_drafts: int | None = None) -> None:
         """Ask for a block of drafts for the tokens after each bonus token (all B-1 of them: it is
-        asked before the round's k is final); `receive_drafts(group)` waits for them. `bonus` and `starts` as device tensors (a chained round's) go through the
-        shared `chained_inputs`, copied there on the device without waiting for it. The drafter
-        builds its own attention metadata from `tables`."""
+        asked before the round's k is final); `receive_drafts(group)` waits for them. `bonus` and
+        `starts` as device tensors (a chained round's) go through the shared `chained_inputs`,
+        copied there on the device without waiting for it. The drafter builds its own attention
+        metadata from `tables`."""
         n = len(request_ids)
         rows = range(n) if group == 0 else range(len(self.drafts) - n, len(self.drafts))
         for other, request in list(self._requests.items()):
