@@ -851,7 +851,7 @@ class Engine:
                 self._lose_proposer(err)
         draft_s, verify_s, accept_s = rnd.clock.seconds()
         if rnd.proposer is not None and rnd.proposer is self.proposer:
-            self.speculation.observe_round(verified, accepted)
+            self.speculation.observe_round(rnd.k, verified, accepted)
             costs = self.speculation.costs
             if rnd.times_draft and costs is not None and not costs.measured_draft:
                 costs.observe_draft(len(rnd.seqs), draft_s)

@@ -9,6 +9,7 @@ import pytest
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.speculation import (
     AcceptanceTracker,
+    RealizedDrafts,
     RoundCosts,
     SpeculationPolicy,
     context_slope,
@@ -216,6 +217,38 @@ def test_positions_beyond_the_verified_ones_drift_back_to_the_prior():
     assert tracker.acceptance == [1.0, 0.45, 0.9]
 
 
+def test_realized_drafts_are_discounted_sums_with_a_prior_and_a_factor_at_most_1():
+    realized = RealizedDrafts((0, 1, 3), rate=0.5, prior_drafts=2.0, drift=0.25)
+    assert realized.factor(3) == 1.0 and realized.factor(7) == 1.0  # the prior; a k it does not know
+    realized.observe_round(3, 6.0, 1)  # expected 2 × 0.5 + 6 = 7, accepted 2 × 0.5 + 1 = 2
+    assert realized.factor(3) == pytest.approx(2 / 7)
+    realized.observe_round(3, 0.0, 4)  # more accepted than expected in the sums: capped at 1
+    assert realized.sums[3] == pytest.approx([3.5, 5.0]) and realized.factor(3) == 1.0
+    realized.observe_round(1, 1.0, 0)  # a round of 1: k = 3's accepted sum drifts towards its expected
+    assert realized.sums[3] == pytest.approx([3.5, 5.0 + 0.25 * (3.5 - 5.0)])
+    assert realized.factor(1) == pytest.approx(1.0 / 2.0)
+    with pytest.raises(ValueError, match="prior_drafts"):
+        RealizedDrafts((1,), prior_drafts=0.0)
+
+
+def test_deep_rounds_that_accept_less_than_the_tracker_expects_give_way_to_shallower_ones():
+    """The tracker reads 0.8 at every position, but rounds of 15 accept half the drafts that makes
+    them expect (its deep positions stale, or chosen when they read high): the policy moves to
+    k = 7, which it has not seen fall short."""
+    costs = _costs(lambda n, k: 1.0 + 0.02 * k, draft=0.2)
+    policy = _policy(costs, [0.8] * (B - 1))
+    assert policy.choose([None] * 8) == 15
+    drafts_15 = expected_tokens([0.8] * (B - 1))[15] - 1
+    for _ in range(50):
+        policy.realized.observe_round(15, 8 * drafts_15, round(4 * drafts_15))
+    assert policy.realized.factor(15) == pytest.approx(0.5, abs=0.02)
+    assert policy.choose([None] * 8) == 7
+    # Through the policy: the round's expected drafts come from the tracker, before it learns.
+    policy = _policy(costs, [0.8] * (B - 1))
+    policy.observe_round(15, [15, 15], [3, 0])
+    assert policy.realized.sums[15] == pytest.approx([0.95 * 8 + 2 * drafts_15, 0.95 * 8 + 3])
+
+
 def test_the_policy_learns_and_keeps_exploring_after_it_chose_ar():
     costs = _costs(lambda n, k: 1.0 + 0.05 * k, draft=0.3)
     policy = _policy(costs)
@@ -223,7 +256,7 @@ def test_the_policy_learns_and_keeps_exploring_after_it_chose_ar():
     chosen = []
     while not chosen or chosen[-1] > 0:  # a drafter whose drafts are always rejected
         chosen.append(policy.choose([None]))
-        policy.observe_round([chosen[-1]], [0])
+        policy.observe_round(chosen[-1], [chosen[-1]], [0])
         assert len(chosen) < 500
     # AR rounds measure nothing; every probe_interval-th round starts a probe of the first draft
     # (k = 1), two rounds long.
@@ -231,13 +264,13 @@ def test_the_policy_learns_and_keeps_exploring_after_it_chose_ar():
     for _ in range(66 * 20 - 1):
         k = policy.choose([None])
         chosen.append(k)
-        policy.observe_round([k], [0])
+        policy.observe_round(k, [k], [0])
     runs = [(k, len(list(run))) for k, run in itertools.groupby(chosen)]
     assert set(runs[:-1]) == {(0, policy.probe_interval - 1), (1, 2)} and runs[0][0] == 0
     # The drafter recovers: the probes measure it, and the policy speculates again.
     for _ in range(64 * 40):
         k = policy.choose([None])
-        policy.observe_round([k], [k])
+        policy.observe_round(k, [k], [k])
         if k > 1:
             break
     assert k > 1
@@ -290,8 +323,9 @@ def test_the_policy_state_is_bounded_however_long_it_runs():
     before = sizes()
     for i in range(20000):
         k = policy.choose([None] * (1 + i % 8))
-        policy.observe_round([k] * (1 + i % 8), [i % (k + 1)] * (1 + i % 8))
+        policy.observe_round(k, [k] * (1 + i % 8), [i % (k + 1)] * (1 + i % 8))
     assert sizes() == before == {"acceptance": B - 1, "trials": B - 1}
+    assert set(policy.realized.sums) == {1, 3, 7, 15}
     assert all(0.0 <= p <= 1.0 for p in policy.tracker.acceptance)
 
 
