@@ -11,8 +11,9 @@ tokens per second,
 from verify and draft costs the engine measured for its own shapes at start-up (`RoundCosts`) at
 the batch's mean context, corrected online by the wall time rounds of each k actually take (the
 host's share and sampling are not in a graph replay, and on a small model they dominate), and the
-acceptance measured online per draft position (`AcceptanceTracker`). `cap_i` is a request's own
-limit (`SamplingParams.num_speculative_tokens`; 0 opts out).
+acceptance measured online per draft position (`AcceptanceTracker`), its drafts past the first
+scaled, per k, by what rounds of that k returned of them (`RealizedDrafts`). `cap_i` is a
+request's own limit (`SamplingParams.num_speculative_tokens`; 0 opts out).
 
 k is chosen from a few buckets, 0, 1, 3, 7, B−1 (and the values of a static table): on a GPU each
 is a set of CUDA graphs per batch-size bucket, so the set stays small; the expected tokens of a
@@ -105,32 +106,39 @@ class AcceptanceTracker:
 
 
 class RealizedDrafts:
-    """Per k, the drafts rounds of that k had accepted over those the acceptance tracker expected
-    of them, as discounted sums: the factor (at most 1) `SpeculationPolicy` puts on a round's
-    expected accepted drafts. The tracker's estimates are fair on average but not where the
-    policy acts on them: it chooses a deep k when they read high (noise, or one request easier
-    than the last), and the deep positions have few trials (each needs every draft before it
-    accepted), so they keep what earlier prompts said. On CPU at c = 1, T 0, over the four sets
-    in a row, rounds of k = 15 accepted 0.72–0.88 of the drafts expected of them, of k = 7
-    0.53–0.95, of k = 1 0.95–1.0 — on alpaca, after mbpp, 1.21 of 1.69 at k = 15 — and the policy
-    speculated where AR was faster. Above 1 a factor would only follow noise: the tracker itself
-    catches up with drafts that accept better than it expects. In a round of another k > 0 each
-    factor drifts back towards 1, so a k it ruled out is tried again.
+    """Per k, the drafts beyond the first that rounds of that k had accepted — where the first
+    was — over those the acceptance tracker expected of them, as discounted sums: the factor (at
+    most 1) `SpeculationPolicy` puts on that deeper part of a round's expected drafts.
+
+    The tracker assumes a draft's acceptance, given the drafts before it accepted, is the same
+    for every request; it is not, and the deep positions, tried only when every draft before
+    them accepted, hold mostly the easy requests' trials (over a longer span of rounds, the
+    earlier prompts'), so they overstate what a hard request's deep drafts return. On CPU at
+    c = 1, T 0, over the four sets in a row, rounds of k = 15 accepted 0.72–0.88 of the drafts
+    the tracker expected, even where every round was of k = 15 (0.84 on humaneval), and the
+    policy speculated deep where AR or k = 3 was faster. Only the part past the first draft is
+    corrected: the first draft's estimate, which moves fastest, is what the policy's choice of
+    when to speculate depends on, so rounds chosen when it read high would accept less than it
+    said; a factor learnt on them would make the policy choose fewer rounds, each more
+    selectively, and read lower again (on the H100 at c = 1, T 1, it ended decoding AR where
+    fixed B ran 13 % faster). Above 1 a factor would only follow noise. In a round of another
+    k > 0 each factor drifts back towards 1, so a k it ruled out is tried again.
     """
 
     def __init__(self, ks: Sequence[int], *, rate: float = 0.05, prior_drafts: float = 8.0, drift: float = 1 / 256):
         if not 0 < rate <= 1 or prior_drafts <= 0 or not 0 <= drift <= 1:
             raise ValueError(f"rate {rate} must be in (0, 1], prior_drafts {prior_drafts} > 0, drift {drift} in [0, 1]")
         self.rate, self.drift = rate, drift
-        self.sums = {k: [prior_drafts, prior_drafts] for k in ks if k > 0}  # k -> [expected, accepted]
+        self.sums = {k: [prior_drafts, prior_drafts] for k in ks if k > 1}  # k -> [expected, accepted]
 
     def factor(self, k: int) -> float:
         expected, accepted = self.sums.get(k, (1.0, 1.0))
         return min(1.0, accepted / expected)
 
     def observe_round(self, k: int, expected: float, accepted: int) -> None:
-        """A round verifying up to k drafts a sequence, of which the tracker expected `expected`
-        (summed over the batch) to be accepted and `accepted` were."""
+        """A round verifying up to k drafts a sequence: of its drafts past the first, where the
+        first was accepted, the tracker expected `expected` (summed over the batch) to be
+        accepted and `accepted` were."""
         for key, sums in self.sums.items():
             if key == k:
                 sums[0] = (1 - self.rate) * sums[0] + expected
@@ -366,14 +374,18 @@ class SpeculationPolicy:
     def _best_k(self, caps: Sequence[int], limit: int, acceptance: Sequence[float], context: float | None,
                 realized: bool) -> int:
         # Every round chooses, on the host's critical path: per distinct cap, not per sequence.
+        # E[accepted + 1] of v drafts: 1 + a_1 (1 + f_k · deep[v − 1]), deep[m] the drafts past the
+        # first the tracker expects once the first is accepted (f_k = 1: `expected_tokens`).
         n, costs = len(caps), self.costs
-        expected, counts = expected_tokens(acceptance[:limit]), collections.Counter(caps).items()
+        first, deep = acceptance[0], [e - 1 for e in expected_tokens(acceptance[1:limit])]
+        counts = collections.Counter(caps).items()
         best_k, best_rate = 0, -1.0
         for k in costs.ks:
             if k > limit:
                 break
             factor = self.realized.factor(k) if realized else 1.0
-            gain = sum((1 + factor * (expected[min(k, c)] - 1)) * m for c, m in counts)
+            gain = sum((1 + first * (1 + factor * deep[v - 1]) if v else 1.0) * m
+                       for v, m in ((min(k, c), m) for c, m in counts))
             seconds = costs.round_seconds(n, k, context)
             rate = gain / seconds if seconds > 0 else math.inf
             if rate > best_rate * (1 + 1e-9):  # ties go to the smaller k
@@ -382,9 +394,10 @@ class SpeculationPolicy:
 
     def observe_round(self, k: int, verified: Sequence[int], accepted: Sequence[int]) -> None:
         """A round of k: the drafts each sequence verified and had accepted."""
-        if k:
-            expected = expected_tokens(self.tracker.acceptance)
-            self.realized.observe_round(k, sum(expected[v] - 1 for v in verified), sum(accepted))
+        if k > 1:
+            deep = expected_tokens(self.tracker.acceptance[1:])
+            past_first = [(v, a) for v, a in zip(verified, accepted, strict=True) if v > 1 and a]
+            self.realized.observe_round(k, sum(deep[v - 1] - 1 for v, _ in past_first), sum(a - 1 for _, a in past_first))
         self.tracker.observe_round(verified, accepted)
 
     def observe_round_time(self, n: int, k: int, seconds: float, context: float | None = None) -> None:
