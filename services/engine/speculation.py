@@ -12,7 +12,7 @@ from verify and draft costs the engine measured for its own shapes at start-up (
 the batch's mean context, corrected online by the wall time rounds of each k actually take (the
 host's share and sampling are not in a graph replay, and on a small model they dominate), and the
 acceptance measured online per draft position (`AcceptanceTracker`), its drafts past the first
-scaled, per k, by what rounds of that k returned of them (`RealizedDrafts`). `cap_i` is a
+scaled by what speculative rounds returned of them (`RealizedDrafts`). `cap_i` is a
 request's own limit (`SamplingParams.num_speculative_tokens`; 0 opts out).
 
 k is chosen from a few buckets, 0, 1, 3, 7, B−1 (and the values of a static table): on a GPU each
@@ -106,9 +106,9 @@ class AcceptanceTracker:
 
 
 class RealizedDrafts:
-    """Per k, the drafts beyond the first that rounds of that k had accepted — where the first
-    was — over those the acceptance tracker expected of them, as discounted sums: the factor (at
-    most 1) `SpeculationPolicy` puts on that deeper part of a round's expected drafts.
+    """The drafts beyond the first that speculative rounds had accepted — where the first was —
+    over those the acceptance tracker expected of them, as discounted sums: the factor (at most
+    1) `SpeculationPolicy` puts on that deeper part of a round's expected drafts.
 
     The tracker assumes a draft's acceptance, given the drafts before it accepted, is the same
     for every request; it is not, and the deep positions, tried only when every draft before
@@ -116,35 +116,38 @@ class RealizedDrafts:
     earlier prompts'), so they overstate what a hard request's deep drafts return. On CPU at
     c = 1, T 0, over the four sets in a row, rounds of k = 15 accepted 0.72–0.88 of the drafts
     the tracker expected, even where every round was of k = 15 (0.84 on humaneval), and the
-    policy speculated deep where AR or k = 3 was faster. Only the part past the first draft is
-    corrected: the first draft's estimate, which moves fastest, is what the policy's choice of
-    when to speculate depends on, so rounds chosen when it read high would accept less than it
-    said; a factor learnt on them would make the policy choose fewer rounds, each more
-    selectively, and read lower again (on the H100 at c = 1, T 1, it ended decoding AR where
-    fixed B ran 13 % faster). Above 1 a factor would only follow noise. In a round of another
-    k > 0 each factor drifts back towards 1, so a k it ruled out is tried again.
+    policy speculated deep where AR or k = 3 was faster.
+
+    Only the part past the first draft is corrected: the policy chooses when to speculate on
+    the first draft's estimate, which moves fastest, so rounds chosen when it read high accept
+    less than it said, and a factor learnt from them would make the policy ever more selective
+    (a factor on every draft, per k: on the H100 at c = 1, T 1, gsm8k at AR's speed where fixed
+    B ran 13 % faster). One factor serves every k, as the wall factor does: one per k, learnt
+    only from the ks chosen, left an unchosen k at 1 beside a chosen one's lower factor, so the
+    policy turned to shallower ks where on the H100 they cost about the same as k = 15 (c = 1,
+    T 0, humaneval: τ 3.52 for fixed B's 3.63, 0.977 of its speed). Above 1 it would only follow noise; it drifts back towards 1 in rounds of
+    k = 1 (which have no deeper part), so a policy it held to k = 1 tries deeper again.
     """
 
-    def __init__(self, ks: Sequence[int], *, rate: float = 0.05, prior_drafts: float = 8.0, drift: float = 1 / 256):
+    def __init__(self, *, rate: float = 0.05, prior_drafts: float = 8.0, drift: float = 1 / 256):
         if not 0 < rate <= 1 or prior_drafts <= 0 or not 0 <= drift <= 1:
             raise ValueError(f"rate {rate} must be in (0, 1], prior_drafts {prior_drafts} > 0, drift {drift} in [0, 1]")
         self.rate, self.drift = rate, drift
-        self.sums = {k: [prior_drafts, prior_drafts] for k in ks if k > 1}  # k -> [expected, accepted]
+        self.expected = self.accepted = prior_drafts
 
-    def factor(self, k: int) -> float:
-        expected, accepted = self.sums.get(k, (1.0, 1.0))
-        return min(1.0, accepted / expected)
+    @property
+    def factor(self) -> float:
+        return min(1.0, self.accepted / self.expected)
 
     def observe_round(self, k: int, expected: float, accepted: int) -> None:
         """A round verifying up to k drafts a sequence: of its drafts past the first, where the
         first was accepted, the tracker expected `expected` (summed over the batch) to be
         accepted and `accepted` were."""
-        for key, sums in self.sums.items():
-            if key == k:
-                sums[0] = (1 - self.rate) * sums[0] + expected
-                sums[1] = (1 - self.rate) * sums[1] + accepted
-            else:
-                sums[1] += self.drift * (sums[0] - sums[1])
+        if k > 1:
+            self.expected = (1 - self.rate) * self.expected + expected
+            self.accepted = (1 - self.rate) * self.accepted + accepted
+        elif k == 1:
+            self.accepted += self.drift * (self.expected - self.accepted)
 
 
 class RoundCosts:
@@ -329,7 +332,7 @@ class SpeculationPolicy:
         self.ks = k_buckets(block_size, self.table)
         self.costs = costs
         self.tracker = tracker or AcceptanceTracker(max(block_size - 1, 0))
-        self.realized = RealizedDrafts(self.ks)
+        self.realized = RealizedDrafts()
         self.probe_interval = probe_interval
         self._ar_rounds = 0  # AR rounds chosen in a row by the adaptive policy
         self._probe_k = next((b for b in self.ks if b > 0), 0)  # the smallest k > 0
@@ -379,11 +382,11 @@ class SpeculationPolicy:
         n, costs = len(caps), self.costs
         first, deep = acceptance[0], [e - 1 for e in expected_tokens(acceptance[1:limit])]
         counts = collections.Counter(caps).items()
+        factor = self.realized.factor if realized else 1.0
         best_k, best_rate = 0, -1.0
         for k in costs.ks:
             if k > limit:
                 break
-            factor = self.realized.factor(k) if realized else 1.0
             gain = sum((1 + first * (1 + factor * deep[v - 1]) if v else 1.0) * m
                        for v, m in ((min(k, c), m) for c, m in counts))
             seconds = costs.round_seconds(n, k, context)
@@ -394,7 +397,7 @@ class SpeculationPolicy:
 
     def observe_round(self, k: int, verified: Sequence[int], accepted: Sequence[int]) -> None:
         """A round of k: the drafts each sequence verified and had accepted."""
-        if k > 1:
+        if k:
             deep = expected_tokens(self.tracker.acceptance[1:])
             past_first = [(v, a) for v, a in zip(verified, accepted, strict=True) if v > 1 and a]
             self.realized.observe_round(k, sum(deep[v - 1] - 1 for v, _ in past_first), sum(a - 1 for _, a in past_first))

@@ -218,47 +218,51 @@ def test_positions_beyond_the_verified_ones_drift_back_to_the_prior():
 
 
 def test_realized_drafts_are_discounted_sums_with_a_prior_and_a_factor_at_most_1():
-    realized = RealizedDrafts((0, 1, 3, 7), rate=0.5, prior_drafts=2.0, drift=0.25)
-    assert set(realized.sums) == {3, 7}  # k = 1 has no draft past the first
-    assert realized.factor(3) == 1.0 and realized.factor(15) == 1.0  # the prior; a k it does not know
+    realized = RealizedDrafts(rate=0.5, prior_drafts=2.0, drift=0.25)
+    assert realized.factor == 1.0  # the prior
     realized.observe_round(3, 6.0, 1)  # expected 2 × 0.5 + 6 = 7, accepted 2 × 0.5 + 1 = 2
-    assert realized.factor(3) == pytest.approx(2 / 7)
-    realized.observe_round(3, 0.0, 4)  # more accepted than expected in the sums: capped at 1
-    assert realized.sums[3] == pytest.approx([3.5, 5.0]) and realized.factor(3) == 1.0
-    realized.observe_round(7, 1.0, 0)  # a round of 7: k = 3's accepted sum drifts towards its expected
-    assert realized.sums[3] == pytest.approx([3.5, 5.0 + 0.25 * (3.5 - 5.0)])
-    assert realized.factor(7) == pytest.approx(1.0 / 2.0)
+    assert realized.factor == pytest.approx(2 / 7)
+    realized.observe_round(15, 0.0, 4)  # more accepted than expected in the sums: capped at 1
+    assert (realized.expected, realized.accepted) == pytest.approx((3.5, 5.0)) and realized.factor == 1.0
+    realized.observe_round(1, 0.0, 0)  # a round of 1 has no drafts past the first: a drift towards 1
+    assert realized.accepted == pytest.approx(5.0 + 0.25 * (3.5 - 5.0))
+    realized.observe_round(0, 0.0, 0)  # an AR round: nothing
+    assert realized.accepted == pytest.approx(5.0 + 0.25 * (3.5 - 5.0))
     with pytest.raises(ValueError, match="prior_drafts"):
-        RealizedDrafts((1,), prior_drafts=0.0)
+        RealizedDrafts(prior_drafts=0.0)
 
 
-def test_deep_rounds_that_accept_less_than_the_tracker_expects_give_way_to_shallower_ones():
-    """The tracker reads 0.8 at every position, but rounds of 15 accept half the drafts past the
-    first that it makes them expect: the policy moves to k = 7, which it has not seen fall short.
-    Only the part past the first draft is scaled."""
-    costs = _costs(lambda n, k: 1.0 + 0.02 * k, draft=0.2)
+def test_rounds_that_accept_less_deep_than_the_tracker_expects_make_shallower_ks_pay():
+    """The tracker reads 0.8 at every position, but rounds accept half the drafts past the first
+    that it makes them expect: where deep verifies cost more, the policy moves to a shallower k."""
+    costs = _costs(lambda n, k: 1.0 + 0.025 * k, draft=0.2)
     policy = _policy(costs, [0.8] * (B - 1))
     assert policy.choose([None] * 8) == 15
     deep = expected_tokens([0.8] * (B - 2))
     for _ in range(50):
         policy.realized.observe_round(15, 8 * (deep[14] - 1), round(4 * (deep[14] - 1)))
-    assert policy.realized.factor(15) == pytest.approx(0.5, abs=0.02)
+    assert policy.realized.factor == pytest.approx(0.5, abs=0.02)
     assert policy.choose([None] * 8) == 7
+    # Where a deeper verify costs nothing more, the deepest k stays best: one factor serves every k.
+    flat = _policy(_costs(lambda n, k: 1.0, draft=0.2), [0.8] * (B - 1))
+    flat.realized = policy.realized
+    assert flat.choose([None] * 8) == 15
     # Through the policy: drafts past the first of the sequences whose first was accepted, what
     # the tracker expected of them before it learns from the round.
     policy = _policy(costs, [0.8] * (B - 1))
     policy.observe_round(15, [15, 15, 15, 1], [3, 0, 1, 1])
-    assert policy.realized.sums[15] == pytest.approx([0.95 * 8 + 2 * (deep[14] - 1), 0.95 * 8 + 2 + 0])
+    assert (policy.realized.expected, policy.realized.accepted) == pytest.approx(
+        (0.95 * 8 + 2 * (deep[14] - 1), 0.95 * 8 + 2 + 0))
 
 
 def test_the_factor_scales_only_drafts_past_the_first():
     """With the first draft's acceptance at 0.5 and the rest at 1, a round of 3 expects 1 + 0.5 × 3
-    tokens; a factor of 0.5 on k = 3 makes that 1 + 0.5 × (1 + 0.5 × 2) = 2, as a round of 1
+    tokens; a factor of 0.5 makes that 1 + 0.5 × (1 + 0.5 × 2) = 2, as a round of 1
     (1.5) at a cost that makes them tie sits just below."""
     costs = _costs(lambda n, k: {0: 1.0, 1: 1.2, 3: 1.65, 7: 100.0, 15: 100.0}[k])
     policy = _policy(costs, [0.5] + [1.0] * (B - 2))
     assert policy.choose([None]) == 3  # 2.5 / 1.65 against 1.5 / 1.2
-    policy.realized.sums[3] = [10.0, 5.0]
+    policy.realized.expected, policy.realized.accepted = 10.0, 5.0
     assert policy.choose([None]) == 1  # 2.0 / 1.65 = 1.21 < 1.25
 
 
@@ -338,7 +342,6 @@ def test_the_policy_state_is_bounded_however_long_it_runs():
         k = policy.choose([None] * (1 + i % 8))
         policy.observe_round(k, [k] * (1 + i % 8), [i % (k + 1)] * (1 + i % 8))
     assert sizes() == before == {"acceptance": B - 1, "trials": B - 1}
-    assert set(policy.realized.sums) == {3, 7, 15}
     assert all(0.0 <= p <= 1.0 for p in policy.tracker.acceptance)
 
 
