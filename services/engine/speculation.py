@@ -125,8 +125,9 @@ class RealizedDrafts:
     B ran 13 % faster). One factor serves every k, as the wall factor does: one per k, learnt
     only from the ks chosen, left an unchosen k at 1 beside a chosen one's lower factor, so the
     policy turned to shallower ks where on the H100 they cost about the same as k = 15 (c = 1,
-    T 0, humaneval: τ 3.52 for fixed B's 3.63, 0.977 of its speed). Above 1 it would only follow noise; it drifts back towards 1 in rounds of
-    k = 1 (which have no deeper part), so a policy it held to k = 1 tries deeper again.
+    T 0, humaneval: τ 3.52 for fixed B's 3.63, 0.977 of its speed). Above 1 it would only follow
+    noise; it drifts back towards 1 in rounds of k = 1 (which have no deeper part), so a policy it
+    held to k = 1 tries deeper again.
     """
 
     def __init__(self, *, rate: float = 0.05, prior_drafts: float = 8.0, drift: float = 1 / 256):
@@ -377,8 +378,8 @@ class SpeculationPolicy:
     def _best_k(self, caps: Sequence[int], limit: int, acceptance: Sequence[float], context: float | None,
                 realized: bool) -> int:
         # Every round chooses, on the host's critical path: per distinct cap, not per sequence.
-        # E[accepted + 1] of v drafts: 1 + a_1 (1 + f_k · deep[v − 1]), deep[m] the drafts past the
-        # first the tracker expects once the first is accepted (f_k = 1: `expected_tokens`).
+        # E[accepted + 1] of v drafts: 1 + a_1 (1 + f · deep[v − 1]), deep[m] the drafts past the
+        # first the tracker expects once the first is accepted (f = 1: `expected_tokens`).
         n, costs = len(caps), self.costs
         first, deep = acceptance[0], [e - 1 for e in expected_tokens(acceptance[1:limit])]
         counts = collections.Counter(caps).items()
@@ -400,7 +401,8 @@ class SpeculationPolicy:
         if k:
             deep = expected_tokens(self.tracker.acceptance[1:])
             past_first = [(v, a) for v, a in zip(verified, accepted, strict=True) if v > 1 and a]
-            self.realized.observe_round(k, sum(deep[v - 1] - 1 for v, _ in past_first), sum(a - 1 for _, a in past_first))
+            expected = sum(deep[v - 1] - 1 for v, _ in past_first)
+            self.realized.observe_round(k, expected, sum(a - 1 for _, a in past_first))
         self.tracker.observe_round(verified, accepted)
 
     def observe_round_time(self, n: int, k: int, seconds: float, context: float | None = None) -> None:
