@@ -22,7 +22,8 @@ sends them. Reported per run (see `summarize`), under our keys and under vLLM be
 - for conversations (`sharegpt-2turn`: each turn sent once the answer to the one before has
   arrived, with the conversation so far), the same latencies per turn, and the prefix cache's hit
   rate over the run's prompt tokens (the embedded engine's own counters, or the server's
-  Prometheus counters with `--metrics-url`).
+  Prometheus counters with `--metrics-url`);
+- embedded: the engine's rounds and their phases per round (`round_times_ms`).
 
 Results go to DIR/results.json, DIR/results.md and DIR/results.png.
 """
@@ -36,7 +37,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -333,6 +334,10 @@ class EmbeddedBackend:
     def prefix_cache_counters(self) -> PrefixCacheCounters:
         scheduler = self.engine.scheduler
         return PrefixCacheCounters(scheduler.prefix_cache_queries, scheduler.prefix_cache_hits)
+
+    def step_timings(self):
+        """The engine's phase times so far (`StepTimings`, a copy): a run's are the difference."""
+        return replace(self.engine.timings)
 
     def clear_prefix_cache(self) -> None:
         """Forget what earlier runs cached (nothing is running between runs), so that a run finds
@@ -713,13 +718,14 @@ def run_bench(backend, prompt_sets: dict[str, list[Prompt]], loads: Sequence[Loa
     spec_counters = getattr(backend, "spec_counters", lambda: None)  # the server's, where requests carry none
     cache_counters = getattr(backend, "prefix_cache_counters", lambda: None)
     clear_cache = getattr(backend, "clear_prefix_cache", lambda: None)
+    step_timings = getattr(backend, "step_timings", lambda: None)  # the embedded engine's
     runs = []
     for load in loads:
         for name, prompts in prompt_sets.items():
             if warmup:
                 backend.run(prompts[:warmup], sampling, Load(concurrency=min(warmup, load.concurrency or warmup)))
             clear_cache()
-            before, cache_before = spec_counters(), cache_counters()
+            before, cache_before, timings_before = spec_counters(), cache_counters(), step_timings()
             with tqdm(total=len(prompts), desc=f"{name} {load.describe()}", unit="req",
                       disable=not show_progress) as bar:
                 start = time.perf_counter()
@@ -727,12 +733,25 @@ def run_bench(backend, prompt_sets: dict[str, list[Prompt]], loads: Sequence[Loa
                 duration = time.perf_counter() - start
             server_spec = None if before is None else spec_counters() - before
             prefix_cache = None if cache_before is None else cache_counters() - cache_before
+            timings = None if timings_before is None else step_timings() - timings_before
             # vLLM's keys: a closed loop of c clients is its infinite rate with at most c in flight.
             rate = load.request_rate if load.request_rate not in (None, math.inf) else "inf"
             runs.append({"dataset": name, "concurrency": load.concurrency, "request_rate": rate,
                          "max_concurrency": load.concurrency, "burstiness": 1.0, "num_prompts": len(prompts),
-                         **summarize(records, duration, server_spec, prefix_cache)})
+                         **summarize(records, duration, server_spec, prefix_cache),
+                         "engine_ms_per_round": round_times_ms(timings)})
     return runs
+
+
+def round_times_ms(timings) -> dict | None:
+    """An embedded run's engine phases per round, in ms (`StepTimings`: host is the Python time of
+    launching and finishing rounds; draft, verify, accept are device times on a GPU). The same
+    work's host time differs between processes on a shared host: it tells the machine's drift
+    from the engine's choices when runs of one cell spread."""
+    if timings is None or not timings.rounds:
+        return None
+    per_round = {name: 1e3 * getattr(timings, name) / timings.rounds for name in ("host", "draft", "verify", "accept")}
+    return {"rounds": timings.rounds, **per_round}
 
 
 def write_report(out_dir: str | Path, setup: dict, runs: list[dict]) -> list[Path]:
@@ -786,6 +805,15 @@ def markdown_report(setup: dict, runs: list[dict]) -> str:
             cells = [f"{a:.2f}" for a in r["acceptance_per_position"]]
             cells += ["-"] * (positions - len(cells))
             lines.append(f"| {r['dataset']} | {load_label(r)} | " + " | ".join(cells) + " |")
+    timed = [r for r in runs if r.get("engine_ms_per_round")]
+    if timed:
+        lines += ["", "The engine's rounds (embedded; ms per round: host, the Python time of launching and finishing "
+                  "them; draft, verify, accept: device times on a GPU):", "",
+                  "| dataset | load | rounds | host | draft | verify | accept |", "|---|---|---:|---:|---:|---:|---:|"]
+        for r in timed:
+            t = r["engine_ms_per_round"]
+            lines.append(f"| {r['dataset']} | {load_label(r)} | {t['rounds']} | "
+                         + " | ".join(f"{t[k]:.3f}" for k in ("host", "draft", "verify", "accept")) + " |")
     conversational = [r for r in runs if len(r["turns"]) > 1]
     if conversational:
         lines += ["", "Per turn of the conversations (each turn sent once the answer to the one before arrived; "

@@ -97,6 +97,9 @@ class StepTimings:
     host: float = 0.0
     rounds: int = 0
 
+    def __sub__(self, before: StepTimings) -> StepTimings:
+        return StepTimings(*(getattr(self, f.name) - getattr(before, f.name) for f in dataclasses.fields(self)))
+
 
 class _PhaseClock:
     """Phase boundaries of a round: CUDA events on a GPU, read once the round is done so the host

@@ -296,6 +296,14 @@ def test_embedded_runs_at_each_concurrency(model_pair):
     assert [(r["dataset"], r["concurrency"]) for r in runs] == [("toy", 1), ("toy", 4)]
     for run in runs:
         check_known_acceptance(run, len(PROMPTS))
+        # The engine's own count of the run's rounds (the warm-up's left out: one a request's
+        # round at c = 1, fewer where a round serves several), and their phases.
+        timed = run["engine_ms_per_round"]
+        assert timed["rounds"] == run["rounds"] if run["concurrency"] == 1 else timed["rounds"] < run["rounds"]
+        assert min(timed[k] for k in ("host", "draft", "verify")) > 0
+    table = markdown_report({"target": target, "max_tokens": 7, "temperature": 0.0, "warmup": 1}, runs)
+    timed = runs[1]["engine_ms_per_round"]
+    assert f"| toy | c=4 | {timed['rounds']} | {timed['host']:.3f} | {timed['draft']:.3f} |" in table
     assert not engine.sequences and engine.allocator.num_free == engine.allocator.num_blocks  # all released
 
 
