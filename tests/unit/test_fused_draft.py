@@ -62,8 +62,10 @@ def test_engine_draft_forward_equals_the_model_code(variant):
             error = ((fused[i] - expected).abs().max() / expected.abs().max()).item()
             assert error <= 1e-5, (seq.request_id, error)
             assert torch.equal(fused[i].argmax(-1), expected.argmax(-1))
-    # A round that verifies k drafts asks for those alone: the same rows of the LM head.
+    # A round that verifies k drafts asks for those alone: the same rows of the LM head (to rounding:
+    # a GEMM over fewer rows may sum in another order, as on an AVX2-only CPU) and the same drafts.
     for k in range(1, B - 1):
-        assert torch.equal(runner.draft_logits(bonus, starts, batch, num_drafts=k), fused[:, :k])
+        head = runner.draft_logits(bonus, starts, batch, num_drafts=k)
+        assert ((head - fused[:, :k]).abs().max() / fused[:, :k].abs().max()).item() <= 1e-6
         runner.request_drafts([s.request_id for s in seqs], bonus, starts, None, batch, num_drafts=k)
         assert torch.equal(runner.receive_drafts(), fused[:, :k].argmax(-1))
