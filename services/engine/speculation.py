@@ -35,6 +35,7 @@ from dflash_serve.services.config import EngineConfig
 
 BASE_K_BUCKETS = (0, 1, 3, 7)
 PROBE_ROUNDS = 2  # a probe's rounds in a row: a round's wall time holds the next one's launch, of the same k
+PROBE_BUDGET = 0.01  # probes' extra time, at most this share of the AR steps' between them
 OUTLIER_FACTOR = 2.0  # a round's wall time counts as at most this many times the current estimate
 
 
@@ -322,7 +323,11 @@ class SpeculationPolicy:
     deeper one, and of a speculative round's wall time — but only where speculating would pay at
     the prior acceptance (else no acceptance could make it pay, and there is nothing to learn).
     A policy that chose AR under a bad spell, or after slow rounds, thus returns to speculating
-    when acceptance or the host recovers, at a cost of PROBE_ROUNDS rounds in `probe_interval`.
+    when acceptance or the host recovers. Where a probe's round costs much more than an AR step
+    the interval is longer, so that probes add at most PROBE_BUDGET to the AR steps' time: on an
+    AVX2-only CPU, by its start-up costs, a round of k = 1 takes 1.65–1.76 × an AR step at batch
+    1–16, and a probe every 64 AR steps cost 2–2.4 % of a run that decoded AR; where a round is
+    host-bound (the H100) a probe costs little more than an AR step and the interval stays 64.
     """
 
     def __init__(self, config: EngineConfig, block_size: int, costs: RoundCosts | None = None,
@@ -367,10 +372,18 @@ class SpeculationPolicy:
             return k
         self._ar_rounds += 1
         prior = [self.tracker.prior] * top  # could speculation pay at all
-        if self._ar_rounds >= self.probe_interval and self._best_k(caps, limit, prior, context, realized=False):
+        if (self._ar_rounds >= self.probe_interval and self._ar_rounds >= self.rounds_between_probes(len(caps), context)
+                and self._best_k(caps, limit, prior, context, realized=False)):
             self._ar_rounds, self._probe_rounds_left = 0, PROBE_ROUNDS - 1
             return self._probe_k
         return 0
+
+    def rounds_between_probes(self, n: int, context: float | None = None) -> int:
+        """AR rounds in a row before a probe at batch n: `probe_interval`, or as many as keep the
+        probe's extra time over AR steps within PROBE_BUDGET of theirs."""
+        ar = self.costs.round_seconds(n, 0, context)
+        extra = PROBE_ROUNDS * (self.costs.round_seconds(n, self._probe_k, context) - ar)
+        return self.probe_interval if ar <= 0 else max(self.probe_interval, math.ceil(extra / (PROBE_BUDGET * ar) - 1e-9))
 
     def _bucket_at_most(self, k: int) -> int:
         return max(b for b in self.ks if b <= k)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.speculation import (
+    PROBE_BUDGET,
+    PROBE_ROUNDS,
     AcceptanceTracker,
     RealizedDrafts,
     RoundCosts,
@@ -275,15 +278,17 @@ def test_the_policy_learns_and_keeps_exploring_after_it_chose_ar():
         chosen.append(policy.choose([None]))
         policy.observe_round(chosen[-1], [chosen[-1]], [0])
         assert len(chosen) < 500
-    # AR rounds measure nothing; every probe_interval-th round starts a probe of the first draft
-    # (k = 1), two rounds long.
+    # AR rounds measure nothing; after a run of them a probe of the first draft (k = 1), two
+    # rounds long — here a probe's round costs 1.35 AR steps: 70 AR steps keep it within budget.
+    interval = policy.rounds_between_probes(1)
+    assert interval == 70 > policy.probe_interval
     chosen = [0]
-    for _ in range(66 * 20 - 1):
+    for _ in range(73 * 20 - 1):
         k = policy.choose([None])
         chosen.append(k)
         policy.observe_round(k, [k], [0])
     runs = [(k, len(list(run))) for k, run in itertools.groupby(chosen)]
-    assert set(runs[:-1]) == {(0, policy.probe_interval - 1), (1, 2)} and runs[0][0] == 0
+    assert set(runs[:-1]) == {(0, interval - 1), (1, 2)} and runs[0][0] == 0
     # The drafter recovers: the probes measure it, and the policy speculates again.
     for _ in range(64 * 40):
         k = policy.choose([None])
@@ -291,6 +296,22 @@ def test_the_policy_learns_and_keeps_exploring_after_it_chose_ar():
         if k > 1:
             break
     assert k > 1
+
+
+def test_probes_that_cost_several_ar_steps_come_less_often():
+    """A probe's extra time stays within PROBE_BUDGET of the AR steps between probes: where a
+    round of k = 1 costs 2 AR steps at batch 8 (as on a CPU), a probe of two rounds comes after
+    200 AR steps, not 64; at batch 1, where it costs 1.3, after 64."""
+    costs = _costs(lambda n, k: 1.0 + (n / 8 if k else 0.0), draft=0.0)
+    policy = _policy(costs)
+    policy.tracker.acceptance = [0.0] * (B - 1)  # nothing accepted: AR, with a probe now and then
+    assert policy.rounds_between_probes(8) == math.ceil(PROBE_ROUNDS * 1.0 / (PROBE_BUDGET * 1.0)) == 200
+    assert policy.rounds_between_probes(1) == 64
+    chosen = [policy.choose([None] * 8) for _ in range(1000)]
+    runs = [(k, len(list(run))) for k, run in itertools.groupby(chosen)]
+    assert set(runs[:-1]) == {(0, 199), (1, 2)} and runs[0][0] == 0
+    extra = sum(n for k, n in runs if k == 1) * 1.0  # each probe round: one AR step more
+    assert extra <= PROBE_BUDGET * chosen.count(0) * 1.0 * (1 + 1 / 100)
 
 
 def test_no_probes_where_no_acceptance_could_make_speculation_pay():
@@ -313,9 +334,12 @@ def test_wall_times_of_rounds_correct_the_start_up_costs():
         policy.observe_round_time(8, k, wall(k))
         chosen.append(k)
     assert set(chosen) == {0, 1, 15}
-    # E[tokens] of any k at 0.5 is < 2, for 3× the time: AR, but for a probe every 64 rounds
-    assert set(chosen[-100:]) == {0, 1} and chosen[-100:].count(1) <= 4
-    assert costs.round_seconds(8, 15) == pytest.approx(3.0, rel=0.05)
+    # E[tokens] of any k at 0.5 is < 2, for 3× the time: AR, but for a probe — of two rounds of
+    # up to 2 AR steps' extra time each (as far as the moving average has learnt), so every
+    # 300–400 AR steps (PROBE_BUDGET)
+    assert 300 < policy.rounds_between_probes(8) <= 400
+    assert set(chosen[-500:]) == {0, 1} and chosen[-500:].count(1) <= 4
+    assert 2.4 < costs.round_seconds(8, 15) <= 3.0  # a moving average, fed by the rounds speculated
     assert costs.round_seconds(8, 0) == pytest.approx(1.0)
     # Another batch size keeps its own correction (none yet: the prediction).
     assert costs.round_seconds(32, 15) == pytest.approx(1.0)
