@@ -326,8 +326,8 @@ class SpeculationPolicy:
     when acceptance or the host recovers. Where a probe's round costs much more than an AR step
     the interval is longer, so that probes add at most PROBE_BUDGET to the AR steps' time: on an
     AVX2-only CPU, by its start-up costs, a round of k = 1 takes 1.65–1.76 × an AR step at batch
-    1–16, and a probe every 64 AR steps cost 2–2.4 % of a run that decoded AR; where a round is
-    host-bound (the H100) a probe costs little more than an AR step and the interval stays 64.
+    1–16, and a probe every 64 AR steps cost 2–2.4 % of a run that decoded AR; on the H100 (the
+    default pair, host-bound rounds) it takes 1.2–1.3 × one at batch 1–8, and the interval stays 64.
     """
 
     def __init__(self, config: EngineConfig, block_size: int, costs: RoundCosts | None = None,
