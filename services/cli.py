@@ -354,6 +354,42 @@ def _bench_prompt_sets(args: argparse.Namespace, setup: dict, tokenizer) -> dict
     return sets
 
 
+# `dflash bench --compare`: the engines it can build from one set of engine flags.
+COMPARED_ENGINES = ("ar", "adaptive", "fixed")
+
+
+def _compared_engines(args: argparse.Namespace, engine_flags: dict) -> list[str]:
+    """The engines `--compare` names, checked against the other flags ([]: no comparison)."""
+    if args.compare is None:
+        return []
+    names = args.compare.split(",")
+    unknown = [n for n in names if n not in COMPARED_ENGINES]
+    if unknown or len(set(names)) < len(names) or len(names) < 2:
+        raise ValueError(f"--compare takes two or more of {', '.join(COMPARED_ENGINES)} (ar: the target alone; "
+                         f"adaptive, fixed: the drafter under that --speculation), each once; got {args.compare!r}")
+    if args.backend != "embedded":
+        raise ValueError("--compare builds the engines in this process: use it with --backend embedded")
+    if "speculation" in engine_flags:
+        raise ValueError("--compare sets each engine's --speculation: leave --speculation out")
+    if args.slices < 1:
+        raise ValueError("--slices must be positive")
+    return names
+
+
+def _compared_configs(config: EngineConfig, names: list[str]) -> dict[str, EngineConfig]:
+    """One engine config per compared engine; on a GPU each engine's KV pools take an equal share
+    of the memory the one engine's would (engine i, sized after i others, takes f / (n - i*f) of
+    what is free then)."""
+    if not config.drafter and set(names) - {"ar"}:
+        raise ValueError("--compare adaptive or fixed needs a drafter, and the engine has none (--drafter none?)")
+    n, f = len(names), config.kv_memory_fraction
+    configs = {}
+    for i, name in enumerate(names):
+        update = {"drafter": None, "drafter_revision": None} if name == "ar" else {"speculation": name}
+        configs[name] = config.model_copy(update={**update, "kv_memory_fraction": f / (n - i * f)})
+    return configs
+
+
 def _key_refused(api_key: str | None, variable: str) -> str:
     given = "refused the API key given" if api_key else "requires an API key and none was given"
     return f"{given}: pass the server's key with --api-key KEY (or in ${variable})"
@@ -372,6 +408,7 @@ def _bench(args: argparse.Namespace) -> int:
         GrpcBackend,
         OpenAIBackend,
         run_bench,
+        run_interleaved,
         write_report,
     )
     from dflash_serve.services.models import CheckpointError, TargetLoadError
@@ -400,15 +437,21 @@ def _bench(args: argparse.Namespace) -> int:
         if conversations and args.backend == "openai" and args.endpoint != "/v1/chat/completions":
             raise ValueError(f"{conversations[0]!r} sends conversations, which need the server's chat template: "
                              "give --endpoint /v1/chat/completions")
+        compared = _compared_engines(args, engine_flags)
         if args.backend == "embedded":
             from dflash_serve.services.engine.loader import build_engine
             from dflash_serve.services.gc_freeze import freeze_startup_objects
 
             most = max(load.concurrency or args.num_prompts for load in loads)
             defaults = {"device": _auto_device(), "max_num_seqs": most, **_model_pair(engine_flags)}
-            engine = build_engine(EngineConfig.load(engine_flags, defaults=defaults))
+            config = EngineConfig.load(engine_flags, defaults=defaults)
+            if compared:
+                backends = {name: EmbeddedBackend(build_engine(cfg))
+                            for name, cfg in _compared_configs(config, compared).items()}
+                backend = backends[next(name for name in compared if name != "ar")]  # the setup names its drafter
+            else:
+                backend = EmbeddedBackend(build_engine(config))
             freeze_startup_objects()  # as a server's processes do: the measured steps are theirs
-            backend = EmbeddedBackend(engine)
         elif args.backend == "openai":
             if args.tokenizer:
                 from transformers import AutoTokenizer
@@ -443,7 +486,11 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     sampling = BenchSampling(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                              ignore_eos=args.ignore_eos)
-    runs = run_bench(backend, prompt_sets, loads, sampling, warmup=args.warmup)
+    if compared:
+        runs = run_interleaved(backends, prompt_sets, loads, sampling, warmup=args.warmup, slices=args.slices)
+        setup.update(engines={name: b.describe() for name, b in backends.items()}, slices=args.slices)
+    else:
+        runs = run_bench(backend, prompt_sets, loads, sampling, warmup=args.warmup)
     setup.update(datasets=list(prompt_sets), num_prompts=args.num_prompts,
                  loads=[load.describe() for load in loads],
                  warmup=args.warmup, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
@@ -585,6 +632,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, help="request i gets seed + i; also seeds the random set and arrivals")
     bench.add_argument("--ignore-eos", action="store_true", help="always generate the tokens asked for")
     bench.add_argument("--timeout", type=float, default=600.0, help="per request, seconds (grpc, openai)")
+    bench.add_argument("--compare", help="embedded: comma-separated engines to compare in this process — ar (the "
+                                         "target alone), adaptive, fixed (the drafter under that --speculation) — "
+                                         "each run's prompts cut into --slices slices that every engine runs back "
+                                         "to back, so that a host whose speed drifts slows them alike; the report "
+                                         "adds each engine's tok/s and its ratio to the first, per slice")
+    bench.add_argument("--slices", type=int, default=4, help="--compare: slices per run (each at least the load's "
+                                                              "concurrency)")
     bench.add_argument("--out", default="bench-results", help="folder for results.json, results.md, results.png")
     bench.set_defaults(run=_bench)
 

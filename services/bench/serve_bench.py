@@ -715,32 +715,84 @@ def run_bench(backend, prompt_sets: dict[str, list[Prompt]], loads: Sequence[Loa
     sent, so their prompts hit it again."""
     from tqdm import tqdm
 
-    spec_counters = getattr(backend, "spec_counters", lambda: None)  # the server's, where requests carry none
-    cache_counters = getattr(backend, "prefix_cache_counters", lambda: None)
-    clear_cache = getattr(backend, "clear_prefix_cache", lambda: None)
-    step_timings = getattr(backend, "step_timings", lambda: None)  # the embedded engine's
     runs = []
     for load in loads:
         for name, prompts in prompt_sets.items():
-            if warmup:
-                backend.run(prompts[:warmup], sampling, Load(concurrency=min(warmup, load.concurrency or warmup)))
-            clear_cache()
-            before, cache_before, timings_before = spec_counters(), cache_counters(), step_timings()
+            _warm_up(backend, prompts, sampling, load, warmup)
+            before = _counters(backend)
             with tqdm(total=len(prompts), desc=f"{name} {load.describe()}", unit="req",
                       disable=not show_progress) as bar:
                 start = time.perf_counter()
                 records = backend.run(prompts, sampling, load, bar.update)
                 duration = time.perf_counter() - start
-            server_spec = None if before is None else spec_counters() - before
-            prefix_cache = None if cache_before is None else cache_counters() - cache_before
-            timings = None if timings_before is None else step_timings() - timings_before
-            # vLLM's keys: a closed loop of c clients is its infinite rate with at most c in flight.
-            rate = load.request_rate if load.request_rate not in (None, math.inf) else "inf"
-            runs.append({"dataset": name, "concurrency": load.concurrency, "request_rate": rate,
-                         "max_concurrency": load.concurrency, "burstiness": 1.0, "num_prompts": len(prompts),
-                         **summarize(records, duration, server_spec, prefix_cache),
-                         "engine_ms_per_round": round_times_ms(timings)})
+            runs.append(_run_metrics(name, load, len(prompts), records, duration, before, _counters(backend)))
     return runs
+
+
+def run_interleaved(backends: dict[str, EmbeddedBackend], prompt_sets: dict[str, list[Prompt]],
+                    loads: Sequence[Load], sampling: BenchSampling, warmup: int = 1, slices: int = 4,
+                    show_progress: bool = True) -> list[dict]:
+    """Engines compared in one process (`dflash bench --compare`): each (load, prompt set)'s
+    prompts are cut into `slices` consecutive slices of at least the load's concurrency, and every
+    slice runs on each engine back to back, the engines' order rotating from slice to slice. A
+    host whose speed drifts over minutes (a shared CPU ran the same AR work 86 to 113 ms a round
+    from one 20-second run to the next) then slows every engine alike, where separate processes
+    minutes apart cannot resolve a few per cent. Per engine, one run's metrics over all its slices
+    (output tok/s: its tokens over its slices' summed durations; its prefix cache is emptied once,
+    after the warm-up, as `run_bench` does), with `engine` and each slice's `slice_output_tok_s`."""
+    from tqdm import tqdm
+
+    names = list(backends)
+    runs = []
+    for load in loads:
+        for set_name, prompts in prompt_sets.items():
+            size = max(load.concurrency or 1, -(-len(prompts) // slices))
+            parts = [prompts[i : i + size] for i in range(0, len(prompts), size)]
+            for backend in backends.values():
+                _warm_up(backend, prompts, sampling, load, warmup)
+            before = {name: _counters(backend) for name, backend in backends.items()}
+            records: dict[str, list[RequestRecord]] = {name: [] for name in names}
+            durations: dict[str, list[float]] = {name: [] for name in names}
+            slice_tok_s: dict[str, list[float]] = {name: [] for name in names}
+            with tqdm(total=len(prompts) * len(names), desc=f"{set_name} {load.describe()}", unit="req",
+                      disable=not show_progress) as bar:
+                for j, part in enumerate(parts):
+                    for name in names[j % len(names):] + names[: j % len(names)]:
+                        start = time.perf_counter()
+                        part_records = backends[name].run(part, sampling, load, bar.update)
+                        duration = time.perf_counter() - start
+                        records[name] += part_records
+                        durations[name].append(duration)
+                        slice_tok_s[name].append(summarize(part_records, duration)["output_tok_s"])
+            for name, backend in backends.items():
+                run = _run_metrics(set_name, load, len(prompts), records[name], sum(durations[name]), before[name],
+                                   _counters(backend))
+                runs.append({"engine": name, **run, "slice_output_tok_s": slice_tok_s[name]})
+    return runs
+
+
+def _warm_up(backend, prompts: list[Prompt], sampling: BenchSampling, load: Load, warmup: int) -> None:
+    """`warmup` unmeasured requests, closed loop; then the embedded engine's prefix cache is emptied."""
+    if warmup:
+        backend.run(prompts[:warmup], sampling, Load(concurrency=min(warmup, load.concurrency or warmup)))
+    getattr(backend, "clear_prefix_cache", lambda: None)()
+
+
+def _counters(backend) -> tuple:
+    """What a run's metrics are differences of, where the backend has them: the server's spec
+    counters (a server whose requests carry none), the prefix cache's, the embedded engine's phases."""
+    return tuple(getattr(backend, name, lambda: None)()
+                 for name in ("spec_counters", "prefix_cache_counters", "step_timings"))
+
+
+def _run_metrics(name: str, load: Load, num_prompts: int, records: list[RequestRecord], duration: float,
+                 before: tuple, after: tuple) -> dict:
+    server_spec, prefix_cache, timings = (None if b is None else a - b for a, b in zip(after, before, strict=True))
+    # vLLM's keys: a closed loop of c clients is its infinite rate with at most c in flight.
+    rate = load.request_rate if load.request_rate not in (None, math.inf) else "inf"
+    return {"dataset": name, "concurrency": load.concurrency, "request_rate": rate,
+            "max_concurrency": load.concurrency, "burstiness": 1.0, "num_prompts": num_prompts,
+            **summarize(records, duration, server_spec, prefix_cache), "engine_ms_per_round": round_times_ms(timings)}
 
 
 def round_times_ms(timings) -> dict | None:
@@ -775,13 +827,43 @@ def load_label(run: dict) -> str:
     return f"{run['request_rate']:g}/s" + (f" ≤{run['concurrency']}" if run["concurrency"] else "")
 
 
+def run_label(run: dict) -> str:
+    """The prompt set, and the engine where `--compare` ran several."""
+    return f"{run['dataset']} ({run['engine']})" if "engine" in run else run["dataset"]
+
+
+def comparison_lines(runs: list[dict]) -> list[str]:
+    """`--compare`'s table: each engine's output tok/s per (prompt set, load), and every other
+    engine's ratio to the first one named, pooled and per slice (the slices ran back to back,
+    so the range of their ratios is what the host's drift left of the comparison)."""
+    engines = list(dict.fromkeys(r["engine"] for r in runs))
+    first, others = engines[0], engines[1:]
+    lines = [f"Engines compared in one process, slices interleaved (ratios to {first}; per slice: min–max):", "",
+             "| dataset | load | " + " | ".join(f"{e} tok/s" for e in engines) + " | "
+             + " | ".join(f"{e} / {first} | by slice" for e in others) + " |",
+             "|---|---|" + "---:|" * len(engines) + "---:|---|" * len(others)]
+    cells = {(r["dataset"], load_label(r), r["engine"]): r for r in runs}
+    for dataset, load in dict.fromkeys((r["dataset"], load_label(r)) for r in runs):
+        base = cells[dataset, load, first]
+        row = [f"{cells[dataset, load, e]['output_tok_s']:.1f}" for e in engines]
+        for e in others:
+            run = cells[dataset, load, e]
+            ratios = [a / b for a, b in zip(run["slice_output_tok_s"], base["slice_output_tok_s"], strict=True) if b]
+            pooled = run["output_tok_s"] / base["output_tok_s"] if base["output_tok_s"] else None
+            row += [_fmt(pooled, ".3f"), f"{min(ratios):.3f}–{max(ratios):.3f}" if ratios else "-"]
+        lines.append(f"| {dataset} | {load} | " + " | ".join(row) + " |")
+    return lines
+
+
 def markdown_report(setup: dict, runs: list[dict]) -> str:
     drafter = setup.get("drafter") or "none (target-only)"
     lines = [
         "# dflash bench",
         "",
         f"target `{setup.get('target')}`, drafter `{drafter}`, backend {setup.get('backend')}; max_tokens "
-        f"{setup['max_tokens']}, temperature {setup['temperature']}, {setup['warmup']} warm-up request(s) per run. "
+        f"{setup['max_tokens']}, temperature {setup['temperature']}, {setup['warmup']} warm-up request(s) per run"
+        + (f"; engines compared in one process: {', '.join(setup['engines'])}, {setup['slices']} slices a run. "
+           if "engines" in setup else ". ") +
         "Latencies in ms (mean / median / p99).",
         "",
         "| dataset | load | ok | failed | output tok/s | TTFT | TPOT | ITL | τ | τ per request | acceptance |",
@@ -793,7 +875,7 @@ def markdown_report(setup: dict, runs: list[dict]) -> str:
             failed += " (" + ", ".join(f"{code}: {n}" for code, n in r["error_codes"].items()) + ")"
         latency = ["/".join(_fmt(r[key][stat]) for stat in ("mean", "median", "p99"))
                    for key in ("ttft_ms", "tpot_ms", "itl_ms")]
-        lines.append(f"| {r['dataset']} | {load_label(r)} | {r['completed']} | {failed} | {r['output_tok_s']:.1f} | "
+        lines.append(f"| {run_label(r)} | {load_label(r)} | {r['completed']} | {failed} | {r['output_tok_s']:.1f} | "
                      f"{' | '.join(latency)} | {_fmt(r['tau'], '.2f')} | {_fmt(r['tau_per_request'], '.2f')} | "
                      f"{_fmt(r['acceptance_rate'], '.1%')} |")
     positions = max((len(r["acceptance_per_position"]) for r in runs), default=0)
@@ -804,7 +886,7 @@ def markdown_report(setup: dict, runs: list[dict]) -> str:
         for r in runs:
             cells = [f"{a:.2f}" for a in r["acceptance_per_position"]]
             cells += ["-"] * (positions - len(cells))
-            lines.append(f"| {r['dataset']} | {load_label(r)} | " + " | ".join(cells) + " |")
+            lines.append(f"| {run_label(r)} | {load_label(r)} | " + " | ".join(cells) + " |")
     timed = [r for r in runs if r.get("engine_ms_per_round")]
     if timed:
         lines += ["", "The engine's rounds (embedded; ms per round: host, the Python time of launching and finishing "
@@ -812,7 +894,7 @@ def markdown_report(setup: dict, runs: list[dict]) -> str:
                   "| dataset | load | rounds | host | draft | verify | accept |", "|---|---|---:|---:|---:|---:|---:|"]
         for r in timed:
             t = r["engine_ms_per_round"]
-            lines.append(f"| {r['dataset']} | {load_label(r)} | {t['rounds']} | "
+            lines.append(f"| {run_label(r)} | {load_label(r)} | {t['rounds']} | "
                          + " | ".join(f"{t[k]:.3f}" for k in ("host", "draft", "verify", "accept")) + " |")
     conversational = [r for r in runs if len(r["turns"]) > 1]
     if conversational:
@@ -824,9 +906,11 @@ def markdown_report(setup: dict, runs: list[dict]) -> str:
             for t in r["turns"]:
                 latency = ["/".join(_fmt(t[key][stat]) for stat in ("mean", "median", "p99"))
                            for key in ("ttft_ms", "tpot_ms", "e2el_ms")]
-                lines.append(f"| {r['dataset']} | {load_label(r)} | {t['turn']} | {t['completed']} | "
+                lines.append(f"| {run_label(r)} | {load_label(r)} | {t['turn']} | {t['completed']} | "
                              f"{_fmt(t['mean_input_tokens'], '.0f')} | {' | '.join(latency)} | "
                              f"{_fmt(r['prefix_cache_hit_rate'], '.1%')} |")
+    if any("engine" in r for r in runs):
+        lines += ["", *comparison_lines(runs)]
     return "\n".join(lines) + "\n"
 
 
@@ -841,8 +925,8 @@ def plot(runs: list[dict], path: Path) -> None:
     fig, (acc_ax, tps_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     speculated = False
     loads = list(dict.fromkeys(load_label(r) for r in runs))
-    for name in dict.fromkeys(r["dataset"] for r in runs):
-        mine = [r for r in runs if r["dataset"] == name]
+    for name in dict.fromkeys(map(run_label, runs)):
+        mine = [r for r in runs if run_label(r) == name]
         rounds = sum(r["rounds"] for r in mine)
         positions = max(len(r["accepted_per_position"]) for r in mine)
         if rounds and positions:

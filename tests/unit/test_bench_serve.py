@@ -40,7 +40,9 @@ from dflash_serve.services.bench.serve_bench import (
     markdown_report,
     parse_prefix_cache_counters,
     parse_spec_counters,
+    comparison_lines,
     run_bench,
+    run_interleaved,
     summarize,
 )
 from dflash_serve.services.config import EngineConfig
@@ -360,6 +362,98 @@ def test_the_cli_writes_json_markdown_and_a_plot(model_pair, tmp_path, capsys):
     assert "| gsm8k | c=2 | 2 | 0 |" in table and "Acceptance per draft position" in table
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert table in capsys.readouterr().out
+
+
+class RecordingBackend(EmbeddedBackend):
+    """An embedded backend that logs which prompts each of its runs sent, under its name."""
+
+    def __init__(self, engine, name: str, log: list):
+        super().__init__(engine)
+        self.name, self.log = name, log
+
+    def run(self, items, sampling, load, progress=lambda: None):
+        self.log.append((self.name, [p.id for p in items]))
+        return super().run(items, sampling, load, progress)
+
+
+def test_compared_engines_run_every_slice_back_to_back_in_rotating_order(model_pair):
+    """--compare: each slice on every engine, the order rotating; per engine one run over all its
+    slices, its own rounds counted, nothing left held."""
+    target, drafter = model_pair
+    log: list = []
+    backends = {name: RecordingBackend(build_engine(EngineConfig(target=target, drafter=d, max_num_seqs=4,
+                                                                 speculation=how)), name, log)
+                for name, d, how in (("ar", None, "fixed"), ("fixed", drafter, "fixed"),
+                                     ("adaptive", drafter, "adaptive"))}
+    sampling = BenchSampling(max_tokens=6)
+    runs = run_interleaved(backends, {"toy": PROMPTS}, [Load(1), Load(4)], sampling, warmup=1, slices=2,
+                           show_progress=False)
+    keys = [p.id for p in PROMPTS]
+    warm = [(name, keys[:1]) for name in backends]
+    # c = 1: slices of 3 and 2 prompts; c = 4: of 4 and 1 (a slice holds at least the concurrency)
+    assert log == [*warm, ("ar", keys[:3]), ("fixed", keys[:3]), ("adaptive", keys[:3]),
+                   ("fixed", keys[3:]), ("adaptive", keys[3:]), ("ar", keys[3:]),
+                   *warm, ("ar", keys[:4]), ("fixed", keys[:4]), ("adaptive", keys[:4]),
+                   ("fixed", keys[4:]), ("adaptive", keys[4:]), ("ar", keys[4:])]
+    assert [(r["engine"], r["concurrency"]) for r in runs] == [(e, c) for c in (1, 4) for e in backends]
+    for run in runs:
+        assert run["completed"] == len(PROMPTS) and run["failed"] == 0 and len(run["slice_output_tok_s"]) == 2
+        assert run["engine_ms_per_round"]["rounds"] > 0  # its own rounds, the warm-up's left out
+    assert runs[0]["tau"] is None and runs[1]["tau"] >= 1.0  # ar drafts nothing
+    for engine in backends.values():
+        assert not engine.engine.sequences and engine.engine.allocator.num_free == engine.engine.allocator.num_blocks
+
+
+def test_the_comparison_table_gives_ratios_pooled_and_per_slice():
+    def run(engine, tok_s, slices):
+        return {"engine": engine, "dataset": "gsm8k", "concurrency": 8, "request_rate": "inf",
+                "output_tok_s": tok_s, "slice_output_tok_s": slices}
+
+    lines = comparison_lines([run("ar", 100.0, [90.0, 110.0]), run("adaptive", 150.0, [99.0, 165.0])])
+    assert lines[2] == "| dataset | load | ar tok/s | adaptive tok/s | adaptive / ar | by slice |"
+    assert lines[4] == "| gsm8k | c=8 | 100.0 | 150.0 | 1.500 | 1.100–1.500 |"
+
+
+def test_the_cli_compares_engines_in_one_process(model_pair, tmp_path, capsys):
+    from dflash_serve.services.cli import main
+
+    target, drafter = model_pair
+    out = tmp_path / "bench"
+    assert main(["bench", "--embedded", "--target", target, "--drafter", drafter, "--dataset", "random",
+                 "--input-len", "5", "--output-len", "4", "--num-prompts", "4", "--concurrency", "2",
+                 "--warmup", "1", "--compare", "ar,adaptive,fixed", "--slices", "2", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["setup"]["engines"]) == ["ar", "adaptive", "fixed"] and results["setup"]["slices"] == 2
+    assert results["setup"]["engines"]["ar"]["drafter"] == "" and results["setup"]["drafter"] == drafter
+    assert [r["engine"] for r in results["runs"]] == ["ar", "adaptive", "fixed"]
+    table = (out / "results.md").read_text()
+    assert "| random (adaptive) | c=2 | 4 | 0 |" in table
+    assert "| dataset | load | ar tok/s | adaptive tok/s | fixed tok/s | adaptive / ar | by slice | fixed / ar | " \
+           "by slice |" in table
+    assert table in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--compare", "ar"], "two or more of ar, adaptive, fixed"),
+    (["--compare", "ar,ar"], "each once"),
+    (["--compare", "ar,eagle"], "two or more of ar, adaptive, fixed"),
+    (["--compare", "ar,fixed", "--speculation", "fixed"], "leave --speculation out"),
+    (["--compare", "ar,fixed", "--slices", "0"], "--slices must be positive"),
+    (["--compare", "ar,fixed", "--drafter", "none"], "needs a drafter"),
+])
+def test_the_cli_says_what_to_fix_in_a_comparison(model_pair, args, says, capsys):
+    from dflash_serve.services.cli import main
+
+    target, _ = model_pair
+    assert main(["bench", "--embedded", "--target", target, "--dataset", "random", *args]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_comparison_runs_only_embedded(capsys):
+    from dflash_serve.services.cli import main
+
+    assert main(["bench", "--backend", "grpc", "--dataset", "random", "--compare", "ar,fixed"]) == 2
+    assert "use it with --backend embedded" in capsys.readouterr().err
 
 
 def check_second_turns_carry_the_first_answers(records: list[RequestRecord], sent: list[Prompt]) -> None:
