@@ -371,7 +371,7 @@ def _compared_engines(args: argparse.Namespace, engine_flags: dict) -> list[str]
         raise ValueError("--compare builds the engines in this process: use it with --backend embedded")
     if "speculation" in engine_flags:
         raise ValueError("--compare sets each engine's --speculation: leave --speculation out")
-    if args.slices < 1:
+    if args.slices is not None and args.slices < 1:
         raise ValueError("--slices must be positive")
     return names
 
@@ -487,8 +487,9 @@ def _bench(args: argparse.Namespace) -> int:
     sampling = BenchSampling(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                              ignore_eos=args.ignore_eos)
     if compared:
-        runs = run_interleaved(backends, prompt_sets, loads, sampling, warmup=args.warmup, slices=args.slices)
-        setup.update(engines={name: b.describe() for name, b in backends.items()}, slices=args.slices)
+        slices = args.slices or max(4, math.factorial(len(compared)))  # every order of the engines, or twice
+        runs = run_interleaved(backends, prompt_sets, loads, sampling, warmup=args.warmup, slices=slices)
+        setup.update(engines={name: b.describe() for name, b in backends.items()}, slices=slices)
     else:
         runs = run_bench(backend, prompt_sets, loads, sampling, warmup=args.warmup)
     setup.update(datasets=list(prompt_sets), num_prompts=args.num_prompts,
@@ -637,8 +638,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "each run's prompts cut into --slices slices that every engine runs back "
                                          "to back, so that a host whose speed drifts slows them alike; the report "
                                          "adds each engine's tok/s and its ratio to the first, per slice")
-    bench.add_argument("--slices", type=int, default=4, help="--compare: slices per run (each at least the load's "
-                                                              "concurrency)")
+    bench.add_argument("--slices", type=int, help="--compare: slices per run (default: 4 for two engines, 6 for "
+                                                   "three — a multiple of the engines' orders balances them; fewer "
+                                                   "where a slice would hold fewer prompts than the concurrency)")
     bench.add_argument("--out", default="bench-results", help="folder for results.json, results.md, results.png")
     bench.set_defaults(run=_bench)
 

@@ -31,6 +31,7 @@ Results go to DIR/results.json, DIR/results.md and DIR/results.png.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import statistics
@@ -733,21 +734,24 @@ def run_interleaved(backends: dict[str, EmbeddedBackend], prompt_sets: dict[str,
                     loads: Sequence[Load], sampling: BenchSampling, warmup: int = 1, slices: int = 4,
                     show_progress: bool = True) -> list[dict]:
     """Engines compared in one process (`dflash bench --compare`): each (load, prompt set)'s
-    prompts are cut into `slices` consecutive slices of at least the load's concurrency, and every
-    slice runs on each engine back to back, the engines' order rotating from slice to slice. A
-    host whose speed drifts over minutes (a shared CPU ran the same AR work 86 to 113 ms a round
-    from one 20-second run to the next) then slows every engine alike, where separate processes
-    minutes apart cannot resolve a few per cent. Per engine, one run's metrics over all its slices
-    (output tok/s: its tokens over its slices' summed durations; its prefix cache is emptied once,
-    after the warm-up, as `run_bench` does), with `engine` and each slice's `slice_output_tok_s`."""
+    prompts are cut into `slices` consecutive slices (fewer where a slice would hold fewer prompts
+    than the load's concurrency), and every slice runs on each engine back to back, the engines'
+    order changing from slice to slice through every permutation (`slice_orders`). A host whose
+    speed drifts over minutes (a shared CPU ran the same AR work 86 to 113 ms a round from one
+    20-second run to the next) then slows every engine alike, where separate processes minutes
+    apart cannot resolve a few per cent. Per engine, one run's metrics over all its slices (output
+    tok/s: its tokens over its slices' summed durations; its prefix cache is emptied once, after
+    the warm-up, as `run_bench` does), with `engine` and each slice's `slice_output_tok_s`."""
     from tqdm import tqdm
 
     names = list(backends)
+    orders = slice_orders(names)
     runs = []
     for load in loads:
         for set_name, prompts in prompt_sets.items():
-            size = max(load.concurrency or 1, -(-len(prompts) // slices))
-            parts = [prompts[i : i + size] for i in range(0, len(prompts), size)]
+            count = max(1, min(slices, len(prompts) // (load.concurrency or 1)))
+            bounds = [len(prompts) * i // count for i in range(count + 1)]
+            parts = [prompts[a:b] for a, b in itertools.pairwise(bounds)]
             for backend in backends.values():
                 _warm_up(backend, prompts, sampling, load, warmup)
             before = {name: _counters(backend) for name, backend in backends.items()}
@@ -757,7 +761,7 @@ def run_interleaved(backends: dict[str, EmbeddedBackend], prompt_sets: dict[str,
             with tqdm(total=len(prompts) * len(names), desc=f"{set_name} {load.describe()}", unit="req",
                       disable=not show_progress) as bar:
                 for j, part in enumerate(parts):
-                    for name in names[j % len(names):] + names[: j % len(names)]:
+                    for name in orders[j % len(orders)]:
                         start = time.perf_counter()
                         part_records = backends[name].run(part, sampling, load, bar.update)
                         duration = time.perf_counter() - start
@@ -769,6 +773,14 @@ def run_interleaved(backends: dict[str, EmbeddedBackend], prompt_sets: dict[str,
                                    _counters(backend))
                 runs.append({"engine": name, **run, "slice_output_tok_s": slice_tok_s[name]})
     return runs
+
+
+def slice_orders(names: Sequence[str]) -> list[tuple[str, ...]]:
+    """The engines' order in successive slices: every permutation, so that over n! slices each
+    engine runs first, second, … equally often and follows each other engine equally often — a
+    rotation made each one follow the same neighbour, and a slice's first run may pay for the
+    engine run before it (caches, clocks)."""
+    return list(itertools.permutations(names))
 
 
 def _warm_up(backend, prompts: list[Prompt], sampling: BenchSampling, load: Load, warmup: int) -> None:

@@ -11,6 +11,8 @@ streamed and is sent only after it arrived; latencies per turn; prefix caching o
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
 import json
 import threading
 import time
@@ -43,6 +45,7 @@ from dflash_serve.services.bench.serve_bench import (
     comparison_lines,
     run_bench,
     run_interleaved,
+    slice_orders,
     summarize,
 )
 from dflash_serve.services.config import EngineConfig
@@ -376,9 +379,9 @@ class RecordingBackend(EmbeddedBackend):
         return super().run(items, sampling, load, progress)
 
 
-def test_compared_engines_run_every_slice_back_to_back_in_rotating_order(model_pair):
-    """--compare: each slice on every engine, the order rotating; per engine one run over all its
-    slices, its own rounds counted, nothing left held."""
+def test_compared_engines_run_every_slice_back_to_back_in_every_order(model_pair):
+    """--compare: each slice on every engine, the order changing through the permutations; per
+    engine one run over all its slices, its own rounds counted, nothing left held."""
     target, drafter = model_pair
     log: list = []
     backends = {name: RecordingBackend(build_engine(EngineConfig(target=target, drafter=d, max_num_seqs=4,
@@ -386,22 +389,33 @@ def test_compared_engines_run_every_slice_back_to_back_in_rotating_order(model_p
                 for name, d, how in (("ar", None, "fixed"), ("fixed", drafter, "fixed"),
                                      ("adaptive", drafter, "adaptive"))}
     sampling = BenchSampling(max_tokens=6)
-    runs = run_interleaved(backends, {"toy": PROMPTS}, [Load(1), Load(4)], sampling, warmup=1, slices=2,
+    runs = run_interleaved(backends, {"toy": PROMPTS}, [Load(1), Load(2)], sampling, warmup=1, slices=3,
                            show_progress=False)
     keys = [p.id for p in PROMPTS]
     warm = [(name, keys[:1]) for name in backends]
-    # c = 1: slices of 3 and 2 prompts; c = 4: of 4 and 1 (a slice holds at least the concurrency)
-    assert log == [*warm, ("ar", keys[:3]), ("fixed", keys[:3]), ("adaptive", keys[:3]),
-                   ("fixed", keys[3:]), ("adaptive", keys[3:]), ("ar", keys[3:]),
-                   *warm, ("ar", keys[:4]), ("fixed", keys[:4]), ("adaptive", keys[:4]),
-                   ("fixed", keys[4:]), ("adaptive", keys[4:]), ("ar", keys[4:])]
-    assert [(r["engine"], r["concurrency"]) for r in runs] == [(e, c) for c in (1, 4) for e in backends]
+    # c = 1: slices of 1, 2 and 2 prompts; c = 2: two slices (three would hold fewer than 2 prompts)
+    assert log == [*warm, ("ar", keys[:1]), ("fixed", keys[:1]), ("adaptive", keys[:1]),
+                   ("ar", keys[1:3]), ("adaptive", keys[1:3]), ("fixed", keys[1:3]),
+                   ("fixed", keys[3:]), ("ar", keys[3:]), ("adaptive", keys[3:]),
+                   *warm, ("ar", keys[:2]), ("fixed", keys[:2]), ("adaptive", keys[:2]),
+                   ("ar", keys[2:]), ("adaptive", keys[2:]), ("fixed", keys[2:])]
+    assert [(r["engine"], r["concurrency"]) for r in runs] == [(e, c) for c in (1, 2) for e in backends]
     for run in runs:
-        assert run["completed"] == len(PROMPTS) and run["failed"] == 0 and len(run["slice_output_tok_s"]) == 2
+        assert run["completed"] == len(PROMPTS) and run["failed"] == 0
+        assert len(run["slice_output_tok_s"]) == (3 if run["concurrency"] == 1 else 2)
         assert run["engine_ms_per_round"]["rounds"] > 0  # its own rounds, the warm-up's left out
     assert runs[0]["tau"] is None and runs[1]["tau"] >= 1.0  # ar drafts nothing
     for engine in backends.values():
         assert not engine.engine.sequences and engine.engine.allocator.num_free == engine.engine.allocator.num_blocks
+
+
+def test_slice_orders_balance_positions_and_neighbours():
+    orders = slice_orders(["ar", "adaptive", "fixed"])
+    assert len(orders) == 6 and len(set(orders)) == 6
+    for name in ("ar", "adaptive", "fixed"):  # each position twice
+        assert [o.index(name) for o in orders].count(0) == [o.index(name) for o in orders].count(2) == 2
+    pairs = collections.Counter(pair for o in orders for pair in itertools.pairwise(o))
+    assert set(pairs.values()) == {2} and len(pairs) == 6  # each engine right after each other one twice
 
 
 def test_the_comparison_table_gives_ratios_pooled_and_per_slice():
@@ -421,9 +435,11 @@ def test_the_cli_compares_engines_in_one_process(model_pair, tmp_path, capsys):
     out = tmp_path / "bench"
     assert main(["bench", "--embedded", "--target", target, "--drafter", drafter, "--dataset", "random",
                  "--input-len", "5", "--output-len", "4", "--num-prompts", "4", "--concurrency", "2",
-                 "--warmup", "1", "--compare", "ar,adaptive,fixed", "--slices", "2", "--out", str(out)]) == 0
+                 "--warmup", "1", "--compare", "ar,adaptive,fixed", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert list(results["setup"]["engines"]) == ["ar", "adaptive", "fixed"] and results["setup"]["slices"] == 2
+    # six slices by default for three engines (every order once); four prompts at c = 2 make two
+    assert list(results["setup"]["engines"]) == ["ar", "adaptive", "fixed"] and results["setup"]["slices"] == 6
+    assert [len(r["slice_output_tok_s"]) for r in results["runs"]] == [2, 2, 2]
     assert results["setup"]["engines"]["ar"]["drafter"] == "" and results["setup"]["drafter"] == drafter
     assert [r["engine"] for r in results["runs"]] == ["ar", "adaptive", "fixed"]
     table = (out / "results.md").read_text()
