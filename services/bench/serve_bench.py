@@ -846,12 +846,14 @@ def run_label(run: dict) -> str:
 
 def comparison_lines(runs: list[dict]) -> list[str]:
     """`--compare`'s table: each engine's output tok/s per (prompt set, load), and every other
-    engine's ratio to the first one named, pooled and per slice (the slices ran back to back,
-    so the range of their ratios is what the host's drift left of the comparison)."""
+    engine's ratio to the first one named: pooled (tokens over summed durations), and the median
+    (min–max) of its slices' ratios — the slices ran back to back, so their range is what the
+    host's drift left of the comparison, and the median is not moved by one slice that a stall
+    on the host slowed."""
     engines = list(dict.fromkeys(r["engine"] for r in runs))
     first, others = engines[0], engines[1:]
-    lines = [f"Engines compared in one process, slices interleaved (ratios to {first}; per slice: min–max):", "",
-             "| dataset | load | " + " | ".join(f"{e} tok/s" for e in engines) + " | "
+    lines = [f"Engines compared in one process, slices interleaved (ratios to {first}; by slice: median (min–max)):",
+             "", "| dataset | load | " + " | ".join(f"{e} tok/s" for e in engines) + " | "
              + " | ".join(f"{e} / {first} | by slice" for e in others) + " |",
              "|---|---|" + "---:|" * len(engines) + "---:|---|" * len(others)]
     cells = {(r["dataset"], load_label(r), r["engine"]): r for r in runs}
@@ -862,7 +864,8 @@ def comparison_lines(runs: list[dict]) -> list[str]:
             run = cells[dataset, load, e]
             ratios = [a / b for a, b in zip(run["slice_output_tok_s"], base["slice_output_tok_s"], strict=True) if b]
             pooled = run["output_tok_s"] / base["output_tok_s"] if base["output_tok_s"] else None
-            row += [_fmt(pooled, ".3f"), f"{min(ratios):.3f}–{max(ratios):.3f}" if ratios else "-"]
+            spread = f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})" if ratios else "-"
+            row += [_fmt(pooled, ".3f"), spread]
         lines.append(f"| {dataset} | {load} | " + " | ".join(row) + " |")
     return lines
 

@@ -423,9 +423,9 @@ def test_the_comparison_table_gives_ratios_pooled_and_per_slice():
         return {"engine": engine, "dataset": "gsm8k", "concurrency": 8, "request_rate": "inf",
                 "output_tok_s": tok_s, "slice_output_tok_s": slices}
 
-    lines = comparison_lines([run("ar", 100.0, [90.0, 110.0]), run("adaptive", 150.0, [99.0, 165.0])])
+    lines = comparison_lines([run("ar", 100.0, [90.0, 110.0, 100.0]), run("adaptive", 150.0, [99.0, 165.0, 130.0])])
     assert lines[2] == "| dataset | load | ar tok/s | adaptive tok/s | adaptive / ar | by slice |"
-    assert lines[4] == "| gsm8k | c=8 | 100.0 | 150.0 | 1.500 | 1.100–1.500 |"
+    assert lines[4] == "| gsm8k | c=8 | 100.0 | 150.0 | 1.500 | 1.300 (1.100–1.500) |"
 
 
 def test_the_cli_compares_engines_in_one_process(model_pair, tmp_path, capsys):
