@@ -7,9 +7,12 @@ drafter actor shares it through CUDA IPC): the GPU machine's run."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import random
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,10 +22,43 @@ from tests.served_pair import save_tiny_pair
 DEVICE = os.environ.get("DFLASH_TEST_DEVICE", "cpu")
 
 
+# Ports for the servers the tests start (Serve's gRPC and HTTP proxies, metrics, the dashboard):
+# below the kernel's ephemeral range and above Ray's worker ports (10002-19999 by default). A port
+# the kernel picked as free (bind to port 0) is one it also hands out to outgoing connections, and
+# Ray's processes open many: once one took it between the check and Serve's bind, and the gRPC
+# proxy failed ("Failed to bind to address [::]:42827").
+LOWEST_PORT = 20000
+_ports_given: set[int] = set()
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    """Free on every address, as the proxies bind it ([::] and 0.0.0.0; a host without IPv6 has no [::])."""
+    for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            with socket.socket(family) as s:
+                s.bind((host, port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE or family == socket.AF_INET:
+                return False
+    return True
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, outside the ranges others take ports from, not handed out before."""
+    highest = max(_ephemeral_start(), LOWEST_PORT + 1000)
+    for _ in range(1000):
+        port = random.randrange(LOWEST_PORT, highest)
+        if port not in _ports_given and _bindable(port):
+            _ports_given.add(port)
+            return port
+    raise RuntimeError(f"no free port in {LOWEST_PORT}-{highest - 1}")
 
 
 @pytest.fixture(scope="session")
