@@ -145,6 +145,8 @@ class _Round:
     chainable: bool  # the next round may start from this one's device results
     context: tuple | None  # (features, positions, slots) of every slot, for a drafter that takes them after acceptance
     launched_at: float  # perf_counter() when the host began to launch it
+    host_seconds: float = 0.0  # the host's own time launching and finishing it
+    chained: bool = False  # launched while the round before it was still on the device
     finished: bool = False  # read and committed
     timed: bool = True  # its wall time is the policy's to observe (`_observe_round_time`)
     behind_prefill: bool = False  # launched after a prefill in the same step
@@ -398,12 +400,15 @@ class Engine:
         Not a round that queued behind a prefill, or was chained on one, nor one whose time also
         holds the host's launch of a round of another k (`launched_next`). Its context is the
         sequences' mean position now, a round's commit past where it ran: a few positions of
-        hundreds."""
+        hundreds. For a round launched while the one before it ran, the host's own time for it goes
+        too: the device runs one round while the host finishes the last and launches the next, so
+        such a round takes at least that (`RoundCosts`)."""
         now = time.perf_counter()
         start = rnd.launched_at if self._last_read_at is None else max(rnd.launched_at, self._last_read_at)
         self._last_read_at = now
         if rnd.timed and rnd.proposer is not None and (launched_next is None or launched_next.k == rnd.k):
-            self.speculation.observe_round_time(len(rnd.seqs), rnd.k, now - start, mean_position(rnd.seqs))
+            host = rnd.host_seconds if rnd.chained else 0.0
+            self.speculation.observe_round_time(len(rnd.seqs), rnd.k, now - start, mean_position(rnd.seqs), host)
 
     def _room_for_chained_round(self, previous: _Round) -> bool:
         """Whether the next round can start before `previous` is read: the same sequences (none
@@ -723,13 +728,14 @@ class Engine:
             results = results.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        self.timings.host += time.perf_counter() - t0
+        launch_seconds = time.perf_counter() - t0
+        self.timings.host += launch_seconds
         return _Round(
             seqs=seqs, proposer=proposer, k=k, verified=verified,
             times_draft=k > 0 and proposer.drafts_in_background and group is None,
             results=results, ready=ready, next_bonus=target_tokens.gather(1, accepted[:, None])[:, 0],
             next_starts=inputs.starts + accepted + 1, clock=clock, chainable=self.chain_rounds, context=context,
-            launched_at=t0,
+            launched_at=t0, host_seconds=launch_seconds, chained=previous is not None,
         )
 
     def _bonus_tokens(self, seqs: list[Sequence], first: _FirstTokens | None, previous: _Round | None
@@ -863,7 +869,9 @@ class Engine:
         tm.draft += draft_s
         tm.verify += verify_s
         tm.accept += accept_s
-        tm.host += time.perf_counter() - t0
+        finish_seconds = time.perf_counter() - t0
+        rnd.host_seconds += finish_seconds
+        tm.host += finish_seconds
         tm.rounds += 1
 
     def _lose_proposer(self, err: Exception) -> None:

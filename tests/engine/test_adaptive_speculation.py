@@ -205,6 +205,31 @@ def test_forced_k_with_prefix_cache_hits_across_turns(pair):
     assert cached.allocator.num_free == cached.allocator.num_blocks
 
 
+def test_the_host_seconds_of_chained_rounds_reach_the_policy(pair, chain_rounds, monkeypatch):
+    """A chained round's host time — its launch (choosing k takes 0.25 s on this fake clock) and
+    its finish (committing takes 0.5 s) — goes to the policy with its wall time; a round that ran
+    alone gives none (`RoundCosts`: the device waited for nothing the host did)."""
+    from dflash_serve.services.engine import engine as engine_module
+
+    target, drafter = pair
+    clock = [0.0]
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0],
+                                                                     monotonic=time.monotonic))
+    engine = build_engine(target, drafter=drafter, spec_table={1: 3})
+    choose_k, commit = engine._choose_k, engine._commit
+    engine._choose_k = lambda seqs: clock.__setitem__(0, clock[0] + 0.25) or choose_k(seqs)
+    engine._commit = lambda seq, tokens: clock.__setitem__(0, clock[0] + 0.5) or commit(seq, tokens)
+    observed = []
+    engine.speculation.observe_round_time = lambda n, k, seconds, context, host: observed.append(host)
+    launched, launch = [], engine._launch_round
+    engine._launch_round = lambda *a: launched.append(launch(*a)) or launched[-1]
+    engine.generate([[1, 2, 3]], [SamplingParams(temperature=0.0, max_tokens=12)])
+    assert observed and any(r.chained for r in launched) == chain_rounds
+    assert set(observed) == ({0.0, 0.75} if chain_rounds else {0.0})
+    # One sequence: one commit a round (the last round of a chain, launched as the request ended, commits nothing).
+    assert {r.host_seconds for r in launched[:-1]} == {0.75}
+
+
 def test_round_wall_times_leave_out_prefills_and_launches_of_another_k(pair, chain_rounds, monkeypatch):
     """The policy weighs each k by the wall time its rounds add to the loop: from the later of a
     round's launch and the last round's read, to its read. On a fake clock where a prefill takes
@@ -231,7 +256,7 @@ def test_round_wall_times_leave_out_prefills_and_launches_of_another_k(pair, cha
         if choose is not None:
             engine.speculation.choose = choose
         observed = []
-        engine.speculation.observe_round_time = lambda n, k, seconds, context: observed.append((n, k, seconds))
+        engine.speculation.observe_round_time = lambda n, k, seconds, context, host: observed.append((n, k, seconds))
         return engine, observed
 
     engine, observed = engine_on_the_clock()

@@ -358,6 +358,38 @@ def test_wall_times_are_a_moving_average_and_ignored_by_fixed_speculation():
     assert fixed.costs.wall_factor == {}
 
 
+def test_where_the_host_takes_longer_than_the_device_every_k_costs_the_host_time():
+    """Chained rounds on the H100 at batch 32: the device's verify grows with k (k = 3 at 1.5 ms,
+    k = 15 at 1.8), the host's ~2 ms a round does not, and a round takes the longer of the two.
+    The device's differences, scaled by a wall factor, made deep ks look dear and the policy chose
+    k = 3 where k = 15 returned more tokens in the same time; bounded by the host's time they
+    vanish, and the policy verifies what returns the most. Unchained rounds (a CPU) give no host
+    time: the prediction alone, as before."""
+    device = lambda n, k: 1.5e-3 if k <= 3 else (1.6e-3 if k == 7 else 1.8e-3)  # noqa: E731
+    acceptance = [0.5, 0.5, 0.5, 0.55, 0.6, 0.6, 0.6] + [0.9] * (B - 8)
+    chained, unchained = _policy(_costs(device), acceptance), _policy(_costs(device), acceptance)
+    for _ in range(200):
+        for k in (3, 15):
+            chained.observe_round_time(32, k, 2.1e-3, host_seconds=2.0e-3)
+            unchained.observe_round_time(32, k, 2.1e-3 if k == 3 else 2.2e-3)
+    costs = chained.costs
+    assert costs.round_seconds(32, 3) == costs.round_seconds(32, 15) == pytest.approx(2.1e-3, rel=0.01)
+    assert costs.host[True, 2] == pytest.approx(2.0e-3)
+    assert chained.choose([None] * 32) == 15
+    assert unchained.costs.host == {} and unchained.choose([None] * 32) < 15  # the device's differences, scaled
+    # Where the device takes longer than the host, it is the device's time that counts.
+    costs.observe_round(32, 15, 2.1e-3, host_seconds=1.0e-3)
+    assert costs.host[True, 2] == pytest.approx(1.95e-3)  # a moving average
+    slow = _costs(lambda n, k: 4e-3)
+    slow.observe_round(32, 15, 4.0e-3, host_seconds=1.0e-3)
+    assert slow.round_seconds(32, 15) == pytest.approx(4.0e-3)
+    # The host's time starts from the device's prediction and moves by a capped moving average:
+    # one stalled round (50 ms here) cannot make speculation look dear for good.
+    fresh = _costs(device)
+    fresh.observe_round(32, 3, 1.5e-3, host_seconds=50e-3)
+    assert fresh.host[True, 2] == pytest.approx(1.5e-3 * (1 + 0.05))
+
+
 def test_the_policy_state_is_bounded_however_long_it_runs():
     policy = _policy(_costs(lambda n, k: 1.0 + 0.1 * k, draft=0.1))
     sizes = lambda: {name: len(value) for name, value in vars(policy.tracker).items() if isinstance(value, list)}  # noqa: E731
