@@ -361,6 +361,8 @@ COMPARED_ENGINES = ("ar", "adaptive", "fixed")
 def _compared_engines(args: argparse.Namespace, engine_flags: dict) -> list[str]:
     """The engines `--compare` names, checked against the other flags ([]: no comparison)."""
     if args.compare is None:
+        if args.slices is not None:
+            raise ValueError("--slices cuts the runs of a comparison: give --compare too, or leave --slices out")
         return []
     names = args.compare.split(",")
     unknown = [n for n in names if n not in COMPARED_ENGINES]
@@ -407,6 +409,7 @@ def _bench(args: argparse.Namespace) -> int:
         EmbeddedBackend,
         GrpcBackend,
         OpenAIBackend,
+        default_slices,
         run_bench,
         run_interleaved,
         write_report,
@@ -487,7 +490,7 @@ def _bench(args: argparse.Namespace) -> int:
     sampling = BenchSampling(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                              ignore_eos=args.ignore_eos)
     if compared:
-        slices = args.slices or max(4, math.factorial(len(compared)))  # every order of the engines, or twice
+        slices = args.slices or default_slices(len(compared))
         runs = run_interleaved(backends, prompt_sets, loads, sampling, warmup=args.warmup, slices=slices)
         setup.update(engines={name: b.describe() for name, b in backends.items()}, slices=slices)
     else:

@@ -731,11 +731,11 @@ def run_bench(backend, prompt_sets: dict[str, list[Prompt]], loads: Sequence[Loa
 
 
 def run_interleaved(backends: dict[str, EmbeddedBackend], prompt_sets: dict[str, list[Prompt]],
-                    loads: Sequence[Load], sampling: BenchSampling, warmup: int = 1, slices: int = 4,
+                    loads: Sequence[Load], sampling: BenchSampling, warmup: int = 1, slices: int | None = None,
                     show_progress: bool = True) -> list[dict]:
     """Engines compared in one process (`dflash bench --compare`): each (load, prompt set)'s
-    prompts are cut into `slices` consecutive slices (fewer where a slice would hold fewer prompts
-    than the load's concurrency), and every slice runs on each engine back to back, the engines'
+    prompts are cut into `slices` consecutive slices (None: `default_slices`; fewer where a slice
+    would hold fewer prompts than the load's concurrency), and every slice runs on each engine back to back, the engines'
     order changing from slice to slice through every permutation (`slice_orders`). A host whose
     speed drifts over minutes (a shared CPU ran the same AR work 86 to 113 ms a round from one
     20-second run to the next) then slows every engine alike, where separate processes minutes
@@ -746,6 +746,7 @@ def run_interleaved(backends: dict[str, EmbeddedBackend], prompt_sets: dict[str,
 
     names = list(backends)
     orders = slice_orders(names)
+    slices = slices or default_slices(len(names))
     runs = []
     for load in loads:
         for set_name, prompts in prompt_sets.items():
@@ -773,6 +774,11 @@ def run_interleaved(backends: dict[str, EmbeddedBackend], prompt_sets: dict[str,
                                    _counters(backend))
                 runs.append({"engine": name, **run, "slice_output_tok_s": slice_tok_s[name]})
     return runs
+
+
+def default_slices(num_engines: int) -> int:
+    """Slices a run by default: every order of the engines once (`slice_orders`), at least 4."""
+    return max(4, math.factorial(num_engines))
 
 
 def slice_orders(names: Sequence[str]) -> list[tuple[str, ...]]:

@@ -43,6 +43,7 @@ from dflash_serve.services.bench.serve_bench import (
     parse_prefix_cache_counters,
     parse_spec_counters,
     comparison_lines,
+    default_slices,
     run_bench,
     run_interleaved,
     slice_orders,
@@ -411,7 +412,8 @@ def test_compared_engines_run_every_slice_back_to_back_in_every_order(model_pair
 
 def test_slice_orders_balance_positions_and_neighbours():
     orders = slice_orders(["ar", "adaptive", "fixed"])
-    assert len(orders) == 6 and len(set(orders)) == 6
+    assert len(orders) == 6 and len(set(orders)) == 6 == default_slices(3)
+    assert default_slices(2) == 4  # two orders, each twice
     for name in ("ar", "adaptive", "fixed"):  # each position twice
         assert [o.index(name) for o in orders].count(0) == [o.index(name) for o in orders].count(2) == 2
     pairs = collections.Counter(pair for o in orders for pair in itertools.pairwise(o))
@@ -463,6 +465,13 @@ def test_the_cli_says_what_to_fix_in_a_comparison(model_pair, args, says, capsys
     target, _ = model_pair
     assert main(["bench", "--embedded", "--target", target, "--dataset", "random", *args]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_slices_go_with_a_comparison(capsys):
+    from dflash_serve.services.cli import main
+
+    assert main(["bench", "--embedded", "--dataset", "random", "--drafter", "none", "--slices", "4"]) == 2
+    assert "--slices cuts the runs of a comparison: give --compare too" in capsys.readouterr().err
 
 
 def test_a_comparison_runs_only_embedded(capsys):
