@@ -733,15 +733,15 @@ def run_bench(backend, prompt_sets: dict[str, list[Prompt]], loads: Sequence[Loa
 def run_interleaved(backends: dict[str, EmbeddedBackend], prompt_sets: dict[str, list[Prompt]],
                     loads: Sequence[Load], sampling: BenchSampling, warmup: int = 1, slices: int | None = None,
                     show_progress: bool = True) -> list[dict]:
-    """Engines compared in one process (`dflash bench --compare`): each (load, prompt set)'s
-    prompts are cut into `slices` consecutive slices (None: `default_slices`; fewer where a slice
-    would hold fewer prompts than the load's concurrency), and every slice runs on each engine back to back, the engines'
-    order changing from slice to slice through every permutation (`slice_orders`). A host whose
-    speed drifts over minutes (a shared CPU ran the same AR work 86 to 113 ms a round from one
-    20-second run to the next) then slows every engine alike, where separate processes minutes
-    apart cannot resolve a few per cent. Per engine, one run's metrics over all its slices (output
-    tok/s: its tokens over its slices' summed durations; its prefix cache is emptied once, after
-    the warm-up, as `run_bench` does), with `engine` and each slice's `slice_output_tok_s`."""
+    """Engines compared in one process (`dflash bench --compare`): each (load, prompt set)'s prompts
+    are cut into `slices` consecutive slices (None: `default_slices`; fewer where a slice would hold
+    fewer prompts than the load's concurrency), and every slice runs on each engine back to back,
+    the engines' order changing from slice to slice through every permutation (`slice_orders`). A
+    host whose speed drifts over minutes (a shared CPU ran the same AR work 86 to 113 ms a round
+    from one 20-second run to the next) then slows every engine alike, where separate processes
+    minutes apart cannot resolve a few per cent. Per engine, one run's metrics over all its slices
+    (output tok/s: its tokens over its slices' summed durations; its prefix cache is emptied once,
+    after the warm-up, as `run_bench` does), with `engine` and each slice's `slice_output_tok_s`."""
     from tqdm import tqdm
 
     names = list(backends)
