@@ -34,6 +34,12 @@ TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 # Chunks per graph: a step prefills a few new prompts at low load; a burst of arrivals prefills
 # many in one eager forward, whose launches are shared by all of them.
 CHUNK_BUCKETS = (1, 2, 4, 8)
+# Each input buffer starts at this byte alignment. Triton compiles a kernel per pointer alignment
+# (16 bytes or not): block tables packed after 17 int32s made the graphs' attention a variant that
+# the eager prefill's own tensors never use, so a burst of prompts past the graphs compiled its own
+# at the first burst (on the H100 a paged-attention variant compiled in the first step of a
+# 32-prompt burst after the warm-up: TTFT p99 820 ms, 50 once compiled).
+ALIGN_BYTES = 16
 
 
 @dataclass
@@ -76,10 +82,10 @@ class PrefillGraphs:
         # int32: sequence lengths [chunks], query starts [chunks + 1], block tables [chunks, max_blocks].
         self._long_sizes = (tokens, tokens, tokens, chunks)
         self._int_sizes = (chunks, chunks + 1, chunks * max_blocks)
-        self._long = torch.zeros(sum(self._long_sizes), dtype=torch.long, device=device)
-        self._int = torch.zeros(sum(self._int_sizes), dtype=torch.int32, device=device)
-        self.ids, self.positions, self.slots, self.sample_rows = self._long.split(self._long_sizes)
-        seq_lens, query_start, tables = self._int.split(self._int_sizes)
+        self._long = torch.zeros(_aligned_length(self._long_sizes, torch.long), dtype=torch.long, device=device)
+        self._int = torch.zeros(_aligned_length(self._int_sizes, torch.int32), dtype=torch.int32, device=device)
+        self.ids, self.positions, self.slots, self.sample_rows = _aligned_split(self._long, self._long_sizes)
+        seq_lens, query_start, tables = _aligned_split(self._int, self._int_sizes)
         self.seq_lens, self.query_start, self.block_tables = seq_lens, query_start, tables.view(chunks, max_blocks)
         self.slots.fill_(scratch_slot)
         if device.type == "cuda":
@@ -152,8 +158,8 @@ class PrefillGraphs:
         """The step's inputs into the buffers of bucket (tokens, num), padding included."""
         if self._staged is not None:
             self._staged.synchronize()  # the last copy out of the staging buffers is done
-        longs = [t.numpy() for t in self._host_long.split(self._long_sizes)]
-        ints = [t.numpy() for t in self._host_int.split(self._int_sizes)]
+        longs = [t.numpy() for t in _aligned_split(self._host_long, self._long_sizes)]
+        ints = [t.numpy() for t in _aligned_split(self._host_int, self._int_sizes)]
         ids, positions, slots, sample_rows = longs
         seq_lens, query_start, tables = ints[0], ints[1], ints[2].reshape(len(ints[0]), self.max_blocks)
         page, row = self.kv_block_size, 0
@@ -181,3 +187,19 @@ class PrefillGraphs:
             self._long.copy_(self._host_long, non_blocking=True)
             self._int.copy_(self._host_int, non_blocking=True)
             self._staged.record()
+
+
+def _padded(sizes: tuple[int, ...], dtype: torch.dtype) -> list[int]:
+    """`sizes` rounded up to whole ALIGN_BYTES."""
+    per = ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size()
+    return [-(-size // per) * per for size in sizes]
+
+
+def _aligned_length(sizes: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The length of a buffer whose parts of `sizes` each start at ALIGN_BYTES (`_aligned_split`)."""
+    return sum(_padded(sizes, dtype))
+
+
+def _aligned_split(buffer: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """Views of `buffer` of `sizes`, each at ALIGN_BYTES from the buffer's start."""
+    return [part[:size] for part, size in zip(buffer.split(_padded(sizes, buffer.dtype)), sizes, strict=True)]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_serve.services.engine.engine import Engine
-from dflash_serve.services.engine.prefill_graphs import PrefillChunkView, PrefillGraphs
+from dflash_serve.services.engine.prefill_graphs import ALIGN_BYTES, PrefillChunkView, PrefillGraphs
 from dflash_serve.services.engine.sampling import SamplingParams
 from tests.conftest import drafter_config, random_drafter
 from tests.engine.harness import (
@@ -65,6 +65,18 @@ def test_padded_forward_equals_the_eager_forward(target, drafter, lengths, max_p
                 engine.cancel(c.seq.request_id)
         steps += 1
     assert steps == (3 if lengths == [40] else 1)
+
+
+def test_every_input_buffer_starts_aligned(target, drafter):
+    """Triton compiles a kernel per pointer alignment: every input the graphs' forward reads
+    starts at ALIGN_BYTES, as the eager forward's own tensors do, so both share one variant."""
+    graphs = build_engine(target, drafter=drafter, prefill_buckets=BUCKETS).prefill_graphs
+    tokens, chunks = graphs.max_tokens, graphs.chunk_buckets[-1]
+    inputs = {"ids": tokens, "positions": tokens, "slots": tokens, "sample_rows": chunks, "seq_lens": chunks,
+              "query_start": chunks + 1, "block_tables": chunks * graphs.max_blocks}
+    for name, numel in inputs.items():
+        tensor = getattr(graphs, name)
+        assert tensor.numel() == numel and tensor.data_ptr() % ALIGN_BYTES == 0, name
 
 
 def test_padding_writes_only_the_scratch_slot(target, drafter):
