@@ -36,9 +36,9 @@ TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 CHUNK_BUCKETS = (1, 2, 4, 8)
 # Each input buffer starts at this byte alignment. Triton compiles a kernel per pointer alignment
 # (16 bytes or not): block tables packed after 17 int32s made the graphs' attention a variant that
-# the eager prefill's own tensors never use, so a burst of prompts past the graphs compiled its own
-# at the first burst (on the H100 a paged-attention variant compiled in the first step of a
-# 32-prompt burst after the warm-up: TTFT p99 820 ms, 50 once compiled).
+# the eager prefill's own tensors never use, so a burst of prompts past the graphs could compile its
+# own mid-serving (on the H100 one paged-attention variant compiled in the first step of a
+# 32-prompt burst after the warm-up, TTFT p99 820 ms; that this was the variant is inferred).
 ALIGN_BYTES = 16
 
 
@@ -191,7 +191,7 @@ class PrefillGraphs:
 
 def _padded(sizes: tuple[int, ...], dtype: torch.dtype) -> list[int]:
     """`sizes` rounded up to whole ALIGN_BYTES."""
-    per = ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size()
+    per = ALIGN_BYTES // dtype.itemsize
     return [-(-size // per) * per for size in sizes]
 
 
