@@ -395,7 +395,7 @@ def test_the_wall_factor_of_chained_rounds_does_not_count_the_host_averages_lag(
     the host's, against 0.99 predicted for the device. The host's moving average starts at the
     device's prediction; a wall factor learnt against that average while it climbed kept its gap
     (1.36 after 47 rounds) on top of it, and the model read 2.64 ms for a 2.19 ms step. Against
-    each round's own host time the factor is 2.19 / 1.94 from the first round: the estimate climbs
+    each round's own host time every ratio is 2.19 / 1.94 from the first round: the estimate climbs
     to the wall time and never past it."""
     costs = _costs(lambda n, k: 0.99e-3)
     wall, host = 2.19e-3, 1.94e-3
