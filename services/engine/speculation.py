@@ -36,6 +36,7 @@ from dflash_serve.services.config import EngineConfig
 BASE_K_BUCKETS = (0, 1, 3, 7)
 PROBE_ROUNDS = 2  # a probe's rounds in a row: a round's wall time holds the next one's launch, of the same k
 PROBE_BUDGET = 0.01  # probes' extra time, at most this share of the AR steps' between them
+PROBE_COST_RATE = 0.5  # probes are rare: each round of the probe's k moves its measured cost this far
 OUTLIER_FACTOR = 2.0  # a round's wall time counts as at most this many times the current estimate
 
 
@@ -259,7 +260,7 @@ class RoundCosts:
     def round_seconds(self, n: int, k: int, context: float | None = None) -> float:
         """The expected wall time of such a round: the prediction — or the host's time for such a
         round where rounds overlap it and it is the longer — corrected by what rounds took."""
-        key = (k > 0, self._nearest(n))
+        key = (k > 0, self.nearest(n))
         return max(self.host.get(key, 0.0), self.predicted_seconds(n, k, context)) * self._wall_factor(*key)
 
     def observe_round(self, n: int, k: int, seconds: float, context: float | None = None,
@@ -267,7 +268,7 @@ class RoundCosts:
         """A round at batch n verifying k drafts, at mean position `context`, added `seconds` of
         wall time to the loop; `host_seconds`: the host's own time for it where the device ran the
         next round meanwhile (chained rounds; 0: none given)."""
-        key = (k > 0, self._nearest(n))
+        key = (k > 0, self.nearest(n))
         device = self.predicted_seconds(n, k, context)
         if host_seconds > 0 and device > 0:
             # From the device's prediction, so that one slow round (the first after start-up, a
@@ -288,7 +289,7 @@ class RoundCosts:
         own = self.wall_factor.get((speculative, at))
         return own if own is not None else min(1.0, self.wall_factor.get((not speculative, at), 1.0))
 
-    def _nearest(self, n: int) -> int:
+    def nearest(self, n: int) -> int:
         """The index of the measured batch size nearest n (the smaller on a tie)."""
         sizes = self.batch_sizes
         at = bisect.bisect_left(sizes, n)
@@ -299,7 +300,7 @@ class RoundCosts:
     def observe_draft(self, n: int, seconds: float) -> None:
         """A remote drafter's round at batch `n` took `seconds`: into the nearest measured size's
         moving average (its first observation replaces the optimistic 0)."""
-        at = self._nearest(n)
+        at = self.nearest(n)
         scaled = seconds * self.batch_sizes[at] / n  # to that size, as if linear in n nearby
         old = self.draft[at]
         self.draft[at] = scaled if old == 0.0 else old + self.draft_rate * (scaled - old)
@@ -357,6 +358,10 @@ class SpeculationPolicy:
     AVX2-only CPU, by its start-up costs, a round of k = 1 takes 1.65–1.76 × an AR step at batch
     1–16, and a probe every 64 AR steps cost 2–2.4 % of a run that decoded AR; on the H100 (the
     default pair, host-bound rounds) it takes 1.2–1.3 × one at batch 1–8, and the interval stays 64.
+    What a probe costs is what rounds of its k took, once measured, not the cost model's estimate:
+    that has one wall factor for every k > 0, learnt mostly from the deeper rounds, and on the CPU
+    at batch 8 (T 1, alpaca) it read a probe's round as ~1.4 AR steps where probes took 1.5–2.4, and
+    probes cost twice their budget.
     """
 
     def __init__(self, config: EngineConfig, block_size: int, costs: RoundCosts | None = None,
@@ -372,6 +377,7 @@ class SpeculationPolicy:
         self._ar_rounds = 0  # AR rounds chosen in a row by the adaptive policy
         self._probe_k = next((b for b in self.ks if b > 0), 0)  # the smallest k > 0
         self._probe_rounds_left = 0
+        self._probe_cost: dict[int, float] = {}  # nearest measured batch size -> a round of the probe's k, in AR steps
 
     def needs_costs(self) -> bool:
         """Whether some batch size is left to the adaptive policy (the table does not cover all)."""
@@ -411,8 +417,15 @@ class SpeculationPolicy:
         """AR rounds in a row before a probe at batch n: `probe_interval`, or as many as keep the
         probe's extra time over AR steps within PROBE_BUDGET of theirs."""
         ar = self.costs.round_seconds(n, 0, context)
-        extra = PROBE_ROUNDS * (self.costs.round_seconds(n, self._probe_k, context) - ar)
-        return self.probe_interval if ar <= 0 else max(self.probe_interval, math.ceil(extra / (PROBE_BUDGET * ar) - 1e-9))
+        if ar <= 0:
+            return self.probe_interval
+        extra = PROBE_ROUNDS * (self._probe_seconds(n, ar, context) - ar)
+        return max(self.probe_interval, math.ceil(extra / (PROBE_BUDGET * ar) - 1e-9))
+
+    def _probe_seconds(self, n: int, ar: float, context: float | None) -> float:
+        """A probe round's seconds at batch n, given an AR step's (`ar`): as rounds of its k took, else the estimate."""
+        measured = self._probe_cost.get(self.costs.nearest(n))
+        return measured * ar if measured is not None else self.costs.round_seconds(n, self._probe_k, context)
 
     def _bucket_at_most(self, k: int) -> int:
         return max(b for b in self.ks if b <= k)
@@ -451,5 +464,14 @@ class SpeculationPolicy:
                            host_seconds: float = 0.0) -> None:
         """Wall seconds of a round in steady decoding at mean position `context`, and the host's
         own seconds for it where rounds chain (see `RoundCosts`)."""
-        if self.costs is not None and self.mode == "adaptive":
-            self.costs.observe_round(n, k, seconds, context, host_seconds)
+        if self.costs is None or self.mode != "adaptive":
+            return
+        if k == self._probe_k and seconds > 0:
+            ar = self.costs.round_seconds(n, 0, context)
+            if ar > 0:
+                # In AR steps, from the estimate, and one slow round counts for at most OUTLIER_FACTOR
+                # times the current value: a collection must not hold off the probes for thousands of rounds.
+                at = self.costs.nearest(n)
+                old = self._probe_cost.get(at, self._probe_seconds(n, ar, context) / ar)
+                self._probe_cost[at] = old + PROBE_COST_RATE * (min(seconds / ar, OUTLIER_FACTOR * old) - old)
+        self.costs.observe_round(n, k, seconds, context, host_seconds)

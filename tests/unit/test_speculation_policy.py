@@ -314,6 +314,33 @@ def test_probes_that_cost_several_ar_steps_come_less_often():
     assert probes_extra_s <= PROBE_BUDGET * ar_s * 1.01  # 199 AR steps a probe: the probe's first round is the 200th choice
 
 
+def test_probes_are_spaced_by_what_rounds_of_their_k_took():
+    """The cost model has one wall factor for every k > 0: where the deeper rounds take what it
+    predicts and a probe's round of k = 1 takes 2.4 AR steps for its predicted 1.2 (as on the CPU
+    at batch 8), the probes are spaced by the 2.4 they take — every 280 AR steps, not 64 — and
+    keep within PROBE_BUDGET; one stalled probe round moves their cost by at most OUTLIER_FACTOR."""
+    costs = _costs(lambda n, k: 1.0 + 0.2 * (k > 0) + 0.01 * k, draft=0.0)
+    policy = _policy(costs, [0.05] * (B - 1))  # AR is the best choice
+    for _ in range(100):  # speculative rounds of k = 15 took what the model predicts
+        policy.observe_round_time(8, 15, costs.predicted_seconds(8, 15))
+    assert policy.rounds_between_probes(8) == 64  # the estimate: 2 × 0.2 extra AR steps
+    wall = {0: 1.0, 1: 2.4}
+    chosen = []
+    for _ in range(6000):
+        k = policy.choose([None] * 8)
+        policy.observe_round_time(8, k, wall[k])
+        chosen.append(k)
+    assert set(chosen) == {0, 1}
+    assert policy.rounds_between_probes(8) == math.ceil(PROBE_ROUNDS * (2.4 - 1.0) / PROBE_BUDGET) == 280
+    # Measured within three probes (the model's shared factor, moved by 0.05 a round, would take tens).
+    ar_runs = [len(list(run)) for k, run in itertools.groupby(chosen) if k == 0]
+    assert ar_runs[0] == 63 and min(ar_runs[3:-1]) >= 250  # the probe is the 64th choice
+    later = chosen[2000:]
+    assert later.count(1) * (2.4 - 1.0) <= PROBE_BUDGET * later.count(0) * 1.05
+    policy.observe_round_time(8, 1, 100.0)  # a probe round stalled by a collection
+    assert policy.rounds_between_probes(8) <= math.ceil(PROBE_ROUNDS * (2 * 2.4 - 1.0) / PROBE_BUDGET)
+
+
 def test_no_probes_where_no_acceptance_could_make_speculation_pay():
     costs = _costs(lambda n, k: 1.0 + n * k, draft=5.0)  # drafting costs 5 AR steps
     policy = _policy(costs)
