@@ -100,6 +100,18 @@ def test_costs_follow_the_batchs_mean_context():
         RoundCosts([1, 4], {0: [1.0, 2.0]}, None, verify_slope=[0.1])
 
 
+def test_every_ks_round_seconds_at_once_equal_each_ks_own():
+    """The policy weighs every k each round through `round_seconds_by_k`, which computes the
+    batch's shared terms once: the same numbers as asking k by k — below, between and beyond the
+    measured sizes, at another context, with wall factors and host times learnt."""
+    costs = RoundCosts([1, 8, 32], {k: [1.0 + 0.1 * k, 2.0 + 0.2 * k, 5.0 + 0.3 * k] for k in (0, 1, 3, 7, 15)},
+                       [0.5, 1.0, 2.0], context=256, verify_slope=[0.001, 0.002, 0.004], draft_slope=[0.0, 0.001, 0.002])
+    costs.observe_round(8, 0, 3.0, 200, host_seconds=2.5)
+    costs.observe_round(32, 7, 9.0, 300)
+    for n, context in itertools.product((1, 5, 8, 20, 32, 48), (None, 0, 100, 256, 700)):
+        assert costs.round_seconds_by_k(n, context) == [(k, costs.round_seconds(n, k, context)) for k in costs.ks]
+
+
 def test_context_slope_from_two_timings():
     assert context_slope([3.0, 9.0], [1.0, 2.0], 256, 32) == pytest.approx([2 / 224, 7 / 224])
     assert context_slope([1.0], [1.2], 256, 32) == [0.0]  # noise: the near one read slower
