@@ -61,14 +61,21 @@ def time_rounds(mode: str, n: int, rounds: int, reps: int) -> dict[str, float]:
     return best
 
 
+def _sizes(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give batch sizes as integers, e.g. 1,8,32") from None
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--batch-sizes", type=_sizes, default=[1, 8, 32], help="comma-separated, e.g. 1,8,32")
     parser.add_argument("--rounds", type=int, default=3000)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--out", help="write the rows as JSON here too")
     args = parser.parse_args(argv)
-    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    sizes = args.batch_sizes
     if args.rounds < 1 or args.reps < 1 or any(n < 1 for n in sizes):
         parser.error("--rounds, --reps and every batch size must be ≥ 1")
     rows = [{"mode": mode, "batch": n, **time_rounds(mode, n, args.rounds, args.reps)}

@@ -20,6 +20,9 @@ def test_policy_bench_times_both_policies_at_every_batch_size(tmp_path, capsys):
     assert table.count("\n| adaptive |") == 2 and "choose µs/round | observe µs/round" in table
 
 
-def test_policy_bench_refuses_empty_work():
+def test_policy_bench_refuses_empty_work_and_says_what_to_give(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--rounds", "0"])
+    with pytest.raises(SystemExit):
+        bench.main(["--batch-sizes", "8,x"])
+    assert "give batch sizes as integers" in capsys.readouterr().err
