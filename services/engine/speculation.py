@@ -299,7 +299,7 @@ class RoundCosts:
     def round_seconds_by_k(self, n: int, context: float | None = None) -> list[tuple[int, float]]:
         """(k, `round_seconds`) for every k bucket, ascending: the batch's shared terms once. The
         policy weighs them every round, on the host's critical path: asked k by k, its choice took
-        about twice as long at batch 8, 1.5 times at batch 32 (`services.bench.policy`, BENCHMARKS)."""
+        about twice as long at batch 8, 1.5 times at batch 32 (`dflash_serve.services.bench.policy`, BENCHMARKS)."""
         terms = self._batch_terms(n, context)
         return [(k, self._round(terms, k)) for k in self.ks]
 
