@@ -223,6 +223,19 @@ def test_the_prior_counts_as_a_few_trials_then_the_moving_average_takes_over():
     assert no_prior.acceptance == [0.0]
 
 
+def test_a_rounds_trials_at_a_position_move_it_as_that_many_trials_of_their_mean():
+    """A batch's order means nothing: while the prior's trials count, the estimate is the exact
+    mean of them and every trial; past 1/rate trials, each further trial moves it by rate."""
+    tracker = AcceptanceTracker(2, prior=0.9, rate=0.1, drift=0.0, prior_trials=2)
+    tracker.observe_round([2, 2, 2], [0, 2, 0])  # draft 1: 3 trials, 1 hit; draft 2: 1 trial, 1 hit
+    assert tracker.acceptance == pytest.approx([(2 * 0.9 + 1) / 5, (2 * 0.9 + 1) / 3])
+    assert tracker.trials == [3, 1]
+    crossing = AcceptanceTracker(1, prior=0.9, rate=0.25, drift=0.0, prior_trials=2)
+    crossing.observe_round([1, 1, 1, 1], [1, 0, 1, 1])  # 4 trials of mean 0.75: 2 in the mean, then 2 at the rate
+    in_the_mean = (2 * 0.9 + 2 * 0.75) / 4
+    assert crossing.acceptance[0] == pytest.approx(in_the_mean + (1 - 0.75**2) * (0.75 - in_the_mean))
+
+
 def test_positions_beyond_the_verified_ones_drift_back_to_the_prior():
     tracker = AcceptanceTracker(3, prior=0.9, rate=1.0, drift=0.5)
     tracker.observe_round([3], [1])  # 1 accepted, 2 rejected: [1, 0, 0.9]
