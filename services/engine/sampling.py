@@ -160,7 +160,7 @@ def accept_drafts(draft_tokens: Tensor, target_tokens: Tensor) -> Tensor:
         shapes = f"drafts {tuple(draft_tokens.shape)}, targets {tuple(target_tokens.shape)}"
         raise ValueError(f"expected drafts [N, B-1] and target tokens [N, B], got {shapes}")
     matches = draft_tokens == target_tokens[:, :-1]
-    return matches.long().cumprod(dim=1).sum(dim=1)
+    return matches.cumprod(dim=1).sum(dim=1)  # a bool cumprod is int64: no conversion op (host time a round)
 
 
 def _thresholds(logits: Tensor, batch: SamplingBatch) -> Tensor:

@@ -106,9 +106,12 @@ class Scheduler:
         seq.num_cached = len(blocks) * self.allocator.block_size
 
     def trim(self, seq: Sequence, lookahead: int = 0) -> None:
-        """After a round: keep blocks for the cached positions (and `lookahead` more, which a
-        round already launched writes); the rejected slots' blocks go back."""
-        self.allocator.trim(seq.block_table, seq.num_cached + lookahead)
+        """After a round: keep blocks for the cached positions; the rejected slots' blocks go
+        back. With a round already launched after this one, which writes up to `lookahead`
+        positions past them, also those the chained round after it takes: two rounds ahead
+        (`grow_for_chained_round`) — given back here, every sequence took a block again the next
+        step, a block per sequence and round through the allocator."""
+        self.allocator.trim(seq.block_table, seq.num_cached + 2 * lookahead)
 
     def grow_for_chained_round(self, seqs: list[Sequence]) -> bool:
         """Blocks for a round launched before the last one is read: that one may have accepted

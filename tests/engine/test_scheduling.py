@@ -191,6 +191,8 @@ def test_chained_rounds_run_a_round_ahead_and_fall_back_when_blocks_run_short(ta
     refs, oracle = _oracle(target, prompts, 30)
     engine = build_engine(target, proposer=oracle)
     engine.chain_rounds = True
+    taken, take = [0], engine.allocator._take
+    engine.allocator._take = lambda: taken.__setitem__(0, taken[0] + 1) or take()
     for rid, p in zip(refs, prompts, strict=True):
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=30), rid)
     ahead = 0
@@ -204,6 +206,10 @@ def test_chained_rounds_run_a_round_ahead_and_fall_back_when_blocks_run_short(ta
     for rid, p in zip(refs, prompts, strict=True):
         assert engine.sequences[rid].output_ids == refs[rid][len(p) : len(p) + 30]
     assert engine.allocator.num_free == engine.allocator.num_blocks
+    # A chained round's read keeps the blocks the next one takes: each sequence took its blocks
+    # once, not a block again every round (given back at the read, taken at the next launch).
+    most = sum(engine.allocator.blocks_for(len(p) + 30 + 2 * B) for p in prompts)
+    assert taken[0] <= most, f"{taken[0]} blocks taken for {most} held at most"
 
     # 8 blocks of 4 tokens: 5 + 23 tokens and one round's lookahead fit, near the end two do not.
     refs, oracle = _oracle(target, prompts[:1], 23)
