@@ -24,7 +24,6 @@ widths 1, 2, 4, 8, B (each about double the last) leave little between two bucke
 from __future__ import annotations
 
 import bisect
-import collections
 import itertools
 import math
 import operator
@@ -94,8 +93,8 @@ class AcceptanceTracker:
         """One round's sequences: drafts verified and accepted by each (verified 0: no trial). A
         position's trials in one round move its estimate as that many trials of their mean — the
         order of a batch's sequences means nothing — which is the exact mean of the prior and the
-        trials while those count. Counted per position, not trial by trial, which at batch 32 took
-        twice the time of the policy's observations a round, on the host's critical path
+        trials while those count. Counted per position: trial by trial, the policy's observations of
+        a round at batch 32 took twice as long, on the host's critical path
         (`dflash_serve.services.bench.policy`, BENCHMARKS)."""
         positions = len(self.acceptance)
         ends = [0] * (positions + 1)  # ends[d]: sequences whose trials were drafts 1..d
