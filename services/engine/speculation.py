@@ -179,8 +179,6 @@ class _BatchTerms(NamedTuple):
     verify_slope: float
     draft_slope: float
     shift: float | None  # context − the measured context (None: as measured)
-    host: tuple[float, float]  # the host's seconds of a chained round, [an AR step, a speculative round]
-    wall_factor: tuple[float, float]  # the same kinds' wall factors
 
 
 class RoundCosts:
@@ -288,12 +286,10 @@ class RoundCosts:
 
     def _batch_terms(self, n: int, context: float | None) -> _BatchTerms:
         """What every k's cost at batch n and mean position `context` shares."""
-        blend, at = self._blend(n), self.nearest(n)
+        blend = self._blend(n)
         shift = None if context is None else context - self.context
-        return _BatchTerms(blend, at, self._at(self.draft, blend), self._at(self.verify_slope, blend),
-                           self._at(self.draft_slope, blend), shift,
-                           (self.host.get((False, at), 0.0), self.host.get((True, at), 0.0)),
-                           (self._wall_factor(False, at), self._wall_factor(True, at)))
+        return _BatchTerms(blend, self.nearest(n), self._at(self.draft, blend), self._at(self.verify_slope, blend),
+                           self._at(self.draft_slope, blend), shift)
 
     def _predicted(self, terms: _BatchTerms, k: int) -> float:
         seconds = self._at(self.verify[k], terms.blend) + (terms.draft if k else 0.0)
@@ -302,9 +298,14 @@ class RoundCosts:
         slope = terms.verify_slope + (terms.draft_slope if k else 0.0)
         return max(seconds + slope * terms.shift, 0.0)
 
-    def _round(self, terms: _BatchTerms, k: int) -> float:
-        kind = k > 0
-        return max(terms.host[kind], self._predicted(terms, k)) * terms.wall_factor[kind]
+    def _bound(self, speculative: bool, at: int) -> tuple[float, float]:
+        """A kind of round's host seconds where rounds chain (0: none measured) and wall factor, at
+        the measured size `at`."""
+        return self.host.get((speculative, at), 0.0), self._wall_factor(speculative, at)
+
+    def _round(self, terms: _BatchTerms, k: int, bound: tuple[float, float]) -> float:
+        host, factor = bound
+        return max(host, self._predicted(terms, k)) * factor
 
     def predicted_seconds(self, n: int, k: int, context: float | None = None) -> float:
         """A round's forwards at batch n verifying k drafts (no draft forward when k = 0), with
@@ -314,14 +315,16 @@ class RoundCosts:
     def round_seconds(self, n: int, k: int, context: float | None = None) -> float:
         """The expected wall time of such a round: the prediction — or the host's time for such a
         round where rounds overlap it and it is the longer — corrected by what rounds took."""
-        return self._round(self._batch_terms(n, context), k)
+        terms = self._batch_terms(n, context)
+        return self._round(terms, k, self._bound(k > 0, terms.nearest))
 
     def round_seconds_by_k(self, n: int, context: float | None = None) -> list[tuple[int, float]]:
         """(k, `round_seconds`) for every k bucket, ascending: the batch's shared terms once. The
         policy weighs them every round, on the host's critical path: asked k by k, its choice took
         about twice as long at batch 8, 1.5 times at batch 32 (`dflash_serve.services.bench.policy`, BENCHMARKS)."""
         terms = self._batch_terms(n, context)
-        return [(k, self._round(terms, k)) for k in self.ks]
+        bounds = self._bound(False, terms.nearest), self._bound(True, terms.nearest)  # each kind's once
+        return [(k, self._round(terms, k, bounds[k > 0])) for k in self.ks]
 
     def observe_round(self, n: int, k: int, seconds: float, context: float | None = None,
                       host_seconds: float = 0.0) -> None:
