@@ -12,6 +12,8 @@
 - `SkinnyLinear`: a linear layer whose GEMMs of at most 16 rows (decode, verify, draft) are one
   launch streaming the weight, split-K reduce included.
 - `row_argmax`: greedy token choice over a vocabulary (the first index of each row's maximum).
+- `accept_round`: a round's accepted drafts, the row the host reads and the next round's bonus
+  tokens and starts, in one launch.
 - `sample_race`: seeded sampling (the exponential race with counter-based noise keyed by seed and
   position, greedy rows, top-k / top-p thresholds) of a whole batch in two launches.
 
@@ -20,6 +22,7 @@ without triton installed, the references run — for attention `paged_attention_
 reference's math over a whole batch at once. Nothing here imports `dflash_serve.services`.
 """
 
+from dflash_serve.kernels.accept import accept_round, accept_round_reference, accept_round_triton, warm_accept_round
 from dflash_serve.kernels.argmax import row_argmax, row_argmax_reference, row_argmax_triton
 from dflash_serve.kernels.kv_injection import inject_context_kv, inject_context_kv_reference, inject_context_kv_triton
 from dflash_serve.kernels.paged_attention import (
@@ -50,6 +53,9 @@ from dflash_serve.kernels.silu_mul import (
 
 __all__ = [
     "SkinnyLinear",
+    "accept_round",
+    "accept_round_reference",
+    "accept_round_triton",
     "add_rms_norm",
     "add_rms_norm_reference",
     "add_rms_norm_triton",
@@ -75,6 +81,7 @@ __all__ = [
     "sample_race",
     "sample_race_reference",
     "sample_race_triton",
+    "warm_accept_round",
     "warm_sample_race",
     "silu_mul",
     "silu_mul_reference",

@@ -57,13 +57,14 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_serve.kernels import accept_round
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.cuda_graphs import GraphBucket, RoundGraphs
 from dflash_serve.services.engine.draft_runner import Proposer, ProposerLost
 from dflash_serve.services.engine.kv_cache import AttentionBatch, BlockAllocator
 from dflash_serve.services.engine.prefill_graphs import PrefillChunkView, PrefillGraphs
 from dflash_serve.services.engine.request import RequestOutput, Sequence, SequenceStatus
-from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, accept_drafts, resolve_seed, sample_tokens
+from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, resolve_seed, sample_tokens
 from dflash_serve.services.engine.scheduler import PrefillChunk, Scheduler
 from dflash_serve.services.engine.speculation import RoundCosts, SpeculationPolicy, context_slope, time_call
 from dflash_serve.services.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
@@ -717,16 +718,15 @@ class Engine:
         target_tokens = sample_tokens(logits.view(n, k + 1, -1), self._sampling_batch(seqs), inputs.positions + 1)
         verified = [k if s.params.num_speculative_tokens is None else min(k, s.params.num_speculative_tokens)
                     for s in seqs]
-        if drafts is None:
-            accepted = torch.zeros(n, dtype=torch.long, device=self.device)
-        else:
-            accepted = accept_drafts(drafts, target_tokens)
+        limits = verified
         if self.synthetic_tau is not None and k:  # an AR round accepts nothing, and owes nothing
-            accepted = torch.full_like(accepted, self._synthetic_accept_length(k))
-        if min(verified) < k:
-            accepted = accepted.minimum(to_device(verified, torch.long, self.device))
+            # Every draft as the target's own token, up to the synthetic length.
+            length = self._synthetic_accept_length(k)
+            drafts, limits = target_tokens[:, :-1], [min(v, length) for v in verified]
+        limits_t = to_device(limits, torch.long, self.device) if min(limits) < k else None
+        # [accepted, the k+1 tokens] for the host; next bonus and start for a round chained on this one
+        results, next_bonus, next_starts = accept_round(target_tokens, inputs.starts, drafts, limits_t)
         clock.mark()
-        results = torch.cat([accepted[:, None], target_tokens], dim=1)
         ready = None
         if results.is_cuda:  # to the host without waiting for it: `_finish_round` waits
             results = results.to("cpu", non_blocking=True)
@@ -737,8 +737,8 @@ class Engine:
         return _Round(
             seqs=seqs, proposer=proposer, k=k, verified=verified,
             times_draft=k > 0 and proposer.drafts_in_background and group is None,
-            results=results, ready=ready, next_bonus=target_tokens.gather(1, accepted[:, None])[:, 0],
-            next_starts=inputs.starts + accepted + 1, clock=clock, chainable=self.chain_rounds, context=context,
+            results=results, ready=ready, next_bonus=next_bonus, next_starts=next_starts, clock=clock,
+            chainable=self.chain_rounds, context=context,
             launched_at=t0, host_seconds=launch_seconds, chained=previous is not None,
         )
 

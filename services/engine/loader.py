@@ -7,7 +7,7 @@ import logging
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from dflash_serve.kernels import warm_sample_race
+from dflash_serve.kernels import warm_accept_round, warm_sample_race
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.cuda_graphs import DEFAULT_BUCKETS, RoundGraphs
 from dflash_serve.services.engine.draft_runner import DraftRunner
@@ -168,7 +168,8 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
                 chunk_buckets=tuple(b for b in CHUNK_BUCKETS if b <= config.max_num_seqs),
             )
     engine.measure_round_costs()  # a drafter in another process: once it is attached
-    if device.type == "cuda":  # the sampling kernel's variants compiled now, not in a request's first step
+    if device.type == "cuda":  # the sampling and acceptance kernels compiled now, not in a request's first step
         ks = engine.speculation.ks if draft_cfg is not None else (0,)
         warm_sample_race(target.lm_head.weight.shape[0], dtype, device, [k + 1 for k in ks], config.max_num_seqs)
+        warm_accept_round(device, ks)
     return engine

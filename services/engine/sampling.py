@@ -1,4 +1,4 @@
-"""Target sampling and draft acceptance (spec §3.2).
+"""Target sampling (spec §3.2); a round's acceptance of drafts is `dflash_serve.kernels.accept_round`.
 
 The target samples every block slot; a draft is accepted while it equals the target's sample at
 that position, so every emitted token is a target sample and the output is distributed exactly as
@@ -147,20 +147,6 @@ def sample_tokens(logits: Tensor, batch: SamplingBatch, positions: Tensor) -> Te
         return row_argmax(logits)
     threshold = _thresholds(logits, batch) if batch.truncates else None
     return sample_race(logits, batch.temperature, batch.seed, positions, threshold)
-
-
-def accept_drafts(draft_tokens: Tensor, target_tokens: Tensor) -> Tensor:
-    """draft_tokens [N, B-1], target_tokens [N, B] -> accepted draft count a [N] in 0..B-1.
-
-    Draft j+1 sits at the position the target sampled at block slot j, so it is accepted while it
-    equals target_tokens[:, j]. The round emits target_tokens[:, :a+1]: the accepted drafts (equal
-    to the target's samples) plus the target's own token at the first mismatch (or the bonus).
-    """
-    if draft_tokens.shape[1] + 1 != target_tokens.shape[1]:
-        shapes = f"drafts {tuple(draft_tokens.shape)}, targets {tuple(target_tokens.shape)}"
-        raise ValueError(f"expected drafts [N, B-1] and target tokens [N, B], got {shapes}")
-    matches = draft_tokens == target_tokens[:, :-1]
-    return matches.cumprod(dim=1).sum(dim=1)  # a bool cumprod is int64: no conversion op (host time a round)
 
 
 def _thresholds(logits: Tensor, batch: SamplingBatch) -> Tensor:

@@ -757,6 +757,67 @@ def test_row_argmax_triton_is_torch_argmax(dtype, shape):
     assert torch.equal(got.cpu(), expected)
 
 
+# -- a round's acceptance --------------------------------------------------------------------------
+
+
+def _round_case(n, k, seed, *, limits=False, strided=False):
+    """Tokens of a small vocabulary, drafts that match the first 0..k slots of each row (then may
+    match again by chance past a mismatch, which must not count)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 5, (n, k + 1), generator=g)
+    drafts = None
+    if k:
+        width = k + 3 if strided else k  # drafts read out of a wider buffer, as from a graph's
+        buffer = torch.randint(0, 5, (n, width), generator=g)
+        drafts = buffer[:, :k]
+        for row, match in enumerate(torch.randint(0, k + 1, (n,), generator=g).tolist()):
+            drafts[row, :match] = tokens[row, :match]
+    starts = torch.randint(0, 1000, (n,), generator=g)
+    caps = torch.randint(0, k + 1, (n,), generator=g) if limits else None
+    return tokens, starts, drafts, caps
+
+
+def test_accept_round_reference_is_the_rounds_definition():
+    tokens = torch.tensor([[4, 5, 6, 7], [4, 5, 6, 7], [1, 2, 3, 4], [9, 9, 9, 9]])
+    drafts = torch.tensor([[4, 5, 6], [0, 5, 6], [1, 0, 3], [9, 9, 9]])
+    starts = torch.tensor([10, 20, 30, 40])
+    from dflash_serve.kernels.accept import accept_round_reference
+
+    results, bonus, next_starts = accept_round_reference(tokens, starts, drafts)
+    assert results[:, 0].tolist() == [3, 0, 1, 3]  # a match after a mismatch counts for nothing
+    assert torch.equal(results[:, 1:], tokens)
+    assert bonus.tolist() == [7, 4, 2, 9] and next_starts.tolist() == [14, 21, 32, 44]
+    capped, bonus, _ = accept_round_reference(tokens, starts, drafts, torch.tensor([1, 3, 0, 2]))
+    assert capped[:, 0].tolist() == [1, 0, 0, 2] and bonus.tolist() == [5, 4, 1, 9]
+    ar, bonus, next_starts = accept_round_reference(tokens[:, :1], starts)  # k = 0: no drafts
+    assert ar[:, 0].tolist() == [0] * 4 and bonus.tolist() == [4, 4, 1, 9] and next_starts.tolist() == [11, 21, 31, 41]
+
+
+def test_accept_round_says_which_shapes_it_takes():
+    from dflash_serve.kernels.accept import accept_round
+
+    tokens, starts = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="drafts \\(2, 2\\)"):
+        accept_round(tokens, starts, torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="drafts \\(2, 0\\)"):
+        accept_round(tokens, starts)  # k = 3 without drafts
+
+
+@runs_triton
+@pytest.mark.parametrize("k", [0, 1, 3, 7, 15])
+@pytest.mark.parametrize("limits", [False, True])
+def test_accept_round_triton_is_the_reference(k, limits):
+    from dflash_serve.kernels.accept import accept_round_reference, accept_round_triton
+
+    for n, strided in ((1, False), (5, True), (33, False)):
+        tokens, starts, drafts, caps = _round_case(n, k, seed=31 * k + n, limits=limits, strided=strided)
+        expected = accept_round_reference(tokens, starts, drafts, caps)
+        on = (lambda t: None if t is None else t.to(DEVICE))
+        got = accept_round_triton(on(tokens), on(starts), on(drafts), on(caps))
+        for g, e in zip(got, expected, strict=True):
+            assert g.dtype == torch.long and torch.equal(g.cpu(), e)
+
+
 # -- sampling (the seeded exponential race) -------------------------------------------------------
 
 SAMPLE_SHAPES = [(1, 1, 7), (3, 2, 4097), (2, 4, 1000), (4, 1, 9000)]  # N, S, V: V past a chunk, partial chunks

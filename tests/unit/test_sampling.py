@@ -12,7 +12,7 @@ import torch
 from dflash_serve.kernels import sampling as race
 from dflash_serve.kernels.sampling import mix32_
 from dflash_serve.services.engine import sampling
-from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, accept_drafts, resolve_seed, sample_tokens
+from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, resolve_seed, sample_tokens
 
 # Chi-square tests pass when the p-value is above this. The noise is a fixed hash, so each test
 # either always passes or always fails: no flakiness.
@@ -239,25 +239,3 @@ def test_truncation_edges():
     assert not (plain == 2).any() and set(plain.unique().tolist()) == {0, 1, 3, 4}
     top1 = sample(logits, [SamplingParams(top_k=1, temperature=5.0, seed=s) for s in range(200)], positions)
     assert (top1 == 1).all()
-
-
-# --- acceptance ----------------------------------------------------------------------------------
-
-
-def test_accept_drafts():
-    targets = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
-    drafts = torch.tensor(
-        [
-            [5, 6, 7],  # all accepted: a = B-1, the round emits B tokens
-            [9, 6, 7],  # first draft wrong: a = 0, only the target's token at slot 0
-            [5, 9, 7],  # a later match after a miss does not count
-            [5, 6, 9],
-        ]
-    )
-    assert accept_drafts(drafts, targets).tolist() == [3, 0, 1, 2]
-
-
-def test_accept_drafts_without_drafts_and_bad_shapes():
-    assert accept_drafts(torch.empty(2, 0, dtype=torch.long), torch.tensor([[1], [2]])).tolist() == [0, 0]
-    with pytest.raises(ValueError, match="expected drafts"):
-        accept_drafts(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long))
