@@ -393,8 +393,10 @@ class Engine:
 
     def _choose_k(self, seqs: list[Sequence]) -> int:
         """The policy's k for a round over `seqs`, at their mean position (a round's cost grows
-        with the context its attention reads)."""
-        return self.speculation.choose([s.params.num_speculative_tokens for s in seqs], mean_position(seqs))
+        with the context its attention reads; only an adaptive policy reads it)."""
+        policy = self.speculation
+        context = mean_position(seqs) if policy.adapts else None
+        return policy.choose([s.params.num_speculative_tokens for s in seqs], context)
 
     def _observe_round_time(self, rnd: _Round, launched_next: _Round | None = None) -> None:
         """Give the speculation policy the wall time of a round just read: from the later of its
@@ -410,7 +412,8 @@ class Engine:
         now = time.perf_counter()
         start = rnd.launched_at if self._last_read_at is None else max(rnd.launched_at, self._last_read_at)
         self._last_read_at = now
-        if rnd.timed and rnd.proposer is not None and (launched_next is None or launched_next.k == rnd.k):
+        if (rnd.timed and rnd.proposer is not None and self.speculation.adapts
+                and (launched_next is None or launched_next.k == rnd.k)):
             host = rnd.host_seconds if rnd.chained else 0.0
             self.speculation.observe_round_time(len(rnd.seqs), rnd.k, now - start, mean_position(rnd.seqs), host)
 

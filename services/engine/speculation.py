@@ -430,6 +430,7 @@ class SpeculationPolicy:
     def __init__(self, config: EngineConfig, block_size: int, costs: RoundCosts | None = None,
                  tracker: AcceptanceTracker | None = None, *, probe_interval: int = 64):
         self.mode = config.speculation
+        self.adapts = self.mode == "adaptive"  # only its choice and round times read a batch's context
         self.table = dict(config.num_speculative_tokens_per_batch_size)
         self.block_size = block_size
         self.ks = k_buckets(block_size, self.table)
@@ -472,8 +473,8 @@ class SpeculationPolicy:
             self._ar_rounds = 0
             return k
         self._ar_rounds += 1
-        prior = [self.tracker.prior] * top  # could speculation pay at all
-        if (self._ar_rounds >= self.probe_interval and self._ar_rounds >= self.rounds_between_probes(n, context)
+        prior = [self.tracker.prior] * top if self._ar_rounds >= self.probe_interval else None  # could it pay at all
+        if (prior and self._ar_rounds >= self.rounds_between_probes(n, context)
                 and self._best_k(n, counts, limit, prior, context, realized=False)):
             self._ar_rounds, self._probe_rounds_left = 0, PROBE_ROUNDS - 1
             return self._probe_k
@@ -518,19 +519,20 @@ class SpeculationPolicy:
         return best_k
 
     def observe_round(self, k: int, verified: Sequence[int], accepted: Sequence[int]) -> None:
-        """A round of k: the drafts each sequence verified and had accepted."""
-        if k:
-            deep = expected_tokens(self.tracker.acceptance[1:])
-            past_first = [(v, a) for v, a in zip(verified, accepted, strict=True) if v > 1 and a]
-            expected = sum(deep[v - 1] - 1 for v, _ in past_first)
-            self.realized.observe_round(k, expected, sum(a - 1 for _, a in past_first))
+        """A round of k: the drafts each sequence verified and had accepted (an AR step's: none)."""
+        if not k:
+            return
+        deep = expected_tokens(self.tracker.acceptance[1:])
+        past_first = [(v, a) for v, a in zip(verified, accepted, strict=True) if v > 1 and a]
+        expected = sum(deep[v - 1] - 1 for v, _ in past_first)
+        self.realized.observe_round(k, expected, sum(a - 1 for _, a in past_first))
         self.tracker.observe_round(verified, accepted)
 
     def observe_round_time(self, n: int, k: int, seconds: float, context: float | None = None,
                            host_seconds: float = 0.0) -> None:
         """Wall seconds of a round in steady decoding at mean position `context`, and the host's
         own seconds for it where rounds chain (see `RoundCosts`)."""
-        if self.costs is None or self.mode != "adaptive":
+        if self.costs is None or not self.adapts:
             return
         if k == self._probe_k and seconds > 0:
             ar = self.costs.round_seconds(n, 0, context)
