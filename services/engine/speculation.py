@@ -28,6 +28,7 @@ import itertools
 import math
 import operator
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -96,15 +97,20 @@ class AcceptanceTracker:
         trials while those count. Counted per position: trial by trial, the policy's observations of
         a round at batch 32 took twice as long, on the host's critical path
         (`dflash_serve.services.bench.policy`, BENCHMARKS)."""
+        self.observe_counts(Counter(zip(verified, accepted, strict=True)))
+
+    def observe_counts(self, rounds: Counter[tuple[int, int]]) -> None:
+        """As `observe_round`, from how many sequences verified v drafts and had a accepted,
+        {(v, a): count}: a batch holds few distinct pairs, counted in C, not sequence by sequence."""
         positions = len(self.acceptance)
         ends = [0] * (positions + 1)  # ends[d]: sequences whose trials were drafts 1..d
         passes = [0] * (positions + 1)  # passes[a]: sequences that accepted a drafts (a ≤ their end)
         deepest = reach = 0  # the most drafts verified, and tried
-        for k, a in zip(verified, accepted, strict=True):
+        for (k, a), count in rounds.items():
             # Draft j (1-based) is a trial when j ≤ k and drafts before it were accepted (j ≤ a+1).
             end = min(a + 1, k)
-            ends[end] += 1
-            passes[a] += 1
+            ends[end] += count
+            passes[a] += count
             deepest, reach = max(deepest, k), max(reach, end)
         if not deepest:
             return
@@ -519,14 +525,16 @@ class SpeculationPolicy:
         return best_k
 
     def observe_round(self, k: int, verified: Sequence[int], accepted: Sequence[int]) -> None:
-        """A round of k: the drafts each sequence verified and had accepted (an AR step's: none)."""
-        if not k:
+        """A round of k: the drafts each sequence verified and had accepted. Only the adaptive
+        choice reads what they teach, and an AR step's teach nothing."""
+        if not k or not self.adapts:
             return
+        rounds = Counter(zip(verified, accepted, strict=True))
         deep = expected_tokens(self.tracker.acceptance[1:])
-        past_first = [(v, a) for v, a in zip(verified, accepted, strict=True) if v > 1 and a]
-        expected = sum(deep[v - 1] - 1 for v, _ in past_first)
-        self.realized.observe_round(k, expected, sum(a - 1 for _, a in past_first))
-        self.tracker.observe_round(verified, accepted)
+        past_first = [(v, a, count) for (v, a), count in rounds.items() if v > 1 and a]
+        expected = sum(count * (deep[v - 1] - 1) for v, _, count in past_first)
+        self.realized.observe_round(k, expected, sum(count * (a - 1) for _, a, count in past_first))
+        self.tracker.observe_counts(rounds)
 
     def observe_round_time(self, n: int, k: int, seconds: float, context: float | None = None,
                            host_seconds: float = 0.0) -> None:
