@@ -61,6 +61,7 @@ def accept_round_reference(tokens: torch.Tensor, starts: torch.Tensor, drafts: t
 
 def accept_round_triton(tokens: torch.Tensor, starts: torch.Tensor, drafts: torch.Tensor | None = None,
                         limits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tokens, drafts, starts, limits = (_unit_steps(t) for t in (tokens, drafts, starts, limits))
     n, width = tokens.shape
     results = torch.empty(n, width + 1, dtype=torch.long, device=tokens.device)
     bonus = torch.empty(n, dtype=torch.long, device=tokens.device)
@@ -73,6 +74,12 @@ def accept_round_triton(tokens: torch.Tensor, starts: torch.Tensor, drafts: torc
             HAS_LIMITS=limits is not None, BLOCK=triton.next_power_of_2(width), num_warps=1,
         )
     return results, bonus, next_starts
+
+
+def _unit_steps(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernel steps along a row (or along starts and limits) one element at a time, and from
+    row to row by the row's stride: a graph buffer's drafts ([n, :k] of a wider row) go as they are."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
 def warm_accept_round(device: torch.device, ks) -> int:

@@ -816,6 +816,13 @@ def test_accept_round_triton_is_the_reference(k, limits):
         got = accept_round_triton(on(tokens), on(starts), on(drafts), on(caps))
         for g, e in zip(got, expected, strict=True):
             assert g.dtype == torch.long and torch.equal(g.cpu(), e)
+    # Tokens stored column by column, starts and limits every other element of a buffer: copied to unit steps.
+    tokens, starts, drafts, caps = _round_case(4, k, seed=k, limits=limits)
+    expected = accept_round_reference(tokens, starts, drafts, caps)
+    spaced = (lambda t: None if t is None else t.repeat_interleave(2)[::2].to(DEVICE))
+    got = accept_round_triton(tokens.t().contiguous().t().to(DEVICE), spaced(starts), on(drafts), spaced(caps))
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g.cpu(), e)
 
 
 # -- sampling (the seeded exponential race) -------------------------------------------------------
