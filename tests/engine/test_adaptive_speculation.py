@@ -215,7 +215,8 @@ def test_the_host_seconds_of_chained_rounds_reach_the_policy(pair, chain_rounds,
     clock = [0.0]
     monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0],
                                                                      monotonic=time.monotonic))
-    engine = build_engine(target, drafter=drafter, spec_table={1: 3})
+    # The adaptive policy, its k set by the table: only an adaptive policy is given round times.
+    engine = build_engine(target, drafter=drafter, speculation="adaptive", spec_table={1: 3})
     choose_k, commit = engine._choose_k, engine._commit
     engine._choose_k = lambda seqs: clock.__setitem__(0, clock[0] + 0.25) or choose_k(seqs)
     engine._commit = lambda seq, tokens: clock.__setitem__(0, clock[0] + 0.5) or commit(seq, tokens)
@@ -249,7 +250,8 @@ def test_round_wall_times_leave_out_prefills_and_launches_of_another_k(pair, cha
                                                                      monotonic=time.monotonic))
 
     def engine_on_the_clock(choose=None, max_num_seqs=8):
-        engine = build_engine(target, drafter=drafter, spec_table={1: 3}, max_num_seqs=max_num_seqs)
+        engine = build_engine(target, drafter=drafter, speculation="adaptive", spec_table={1: 3},
+                              max_num_seqs=max_num_seqs)  # only an adaptive policy is given round times
         prefill, launch = engine._prefill, engine._launch_round
         engine._prefill = lambda *a: clock.__setitem__(0, clock[0] + 1000) or prefill(*a)
         engine._launch_round = lambda *a: (launch(*a), clock.__setitem__(0, clock[0] + 1))[0]  # after its start
