@@ -436,7 +436,8 @@ class SpeculationPolicy:
     def __init__(self, config: EngineConfig, block_size: int, costs: RoundCosts | None = None,
                  tracker: AcceptanceTracker | None = None, *, probe_interval: int = 64):
         self.mode = config.speculation
-        self.adapts = self.mode == "adaptive"  # only its choice and round times read a batch's context
+        # Only the adaptive choice reads what rounds teach (acceptance, round times, the batch's context).
+        self.adapts = self.mode == "adaptive"
         self.table = dict(config.num_speculative_tokens_per_batch_size)
         self.block_size = block_size
         self.ks = k_buckets(block_size, self.table)
