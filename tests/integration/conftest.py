@@ -87,10 +87,10 @@ def ray_serve():
     serve.start(http_options=HTTPOptions(port=ports["http"]),
                 grpc_options=gRPCOptions(port=ports["grpc"], grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
     yield ports
-    # serve.shutdown() waits without a limit for each cached handle's router to stop: on CI
-    # (2026-11-27) one never did, after every test had passed, and the session hung until CI's
-    # deadline. ray.shutdown() ends every process of this local cluster anyway, so Serve's
-    # graceful part gets a bound.
+    # serve.shutdown() waits without a limit for each cached handle's router to stop (Ray 2.60's
+    # DeploymentHandle.shutdown). On CI (2026-11-27) this teardown hung after every test had passed,
+    # most likely there, until CI's deadline. ray.shutdown() ends every process of this local
+    # cluster anyway, so Serve's graceful part gets a bound.
     graceful = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
     graceful.start()
     graceful.join(timeout=60)
