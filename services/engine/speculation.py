@@ -222,8 +222,8 @@ class RoundCosts:
 
     Where rounds chain (a GPU), the device runs a round while the host finishes the one before and
     launches the next, so a round takes the longer of the two: the host's own seconds per round
-    (`host_seconds`, a moving average per kind and size, as the wall factor) bound the prediction
-    from below, and the wall factor corrects that: it is each chained round's wall time over the
+    (`host_seconds`, a moving average per k and size; a k not yet chosen takes an AR step's) bound
+    the prediction from below, and the wall factor corrects that: it is each chained round's wall time over the
     longer of that round's own host time and the device's prediction. Over the moving average of
     the host time instead, the factor counted the average's lag twice: the average starts at the
     device's prediction and takes ~50 rounds to reach the host's time, and the factor, learnt in
@@ -234,7 +234,11 @@ class RoundCosts:
     differences between ks where the host's time hid them: on the H100 at batch 32 the host took
     1.7–2.0 ms a round against the device's 1.3–1.5, the start-up costs read k = 3 at 1.5 ms and
     k = 15 at 1.8, and the policy verified k = 3 or 7 in 76–87 % of the rounds at T 0 on alpaca,
-    τ 1.94 against fixed B's 2.00, at 0.89–0.98 of its speed.
+    τ 1.94 against fixed B's 2.00, at 0.89–0.98 of its speed. One host time for every k > 0, learnt
+    from the ks chosen, priced a shallow k as the deep ones: on the H100 at batch 32, T 1 on alpaca,
+    a process whose average came from rounds of k = 15 priced every k > 0 at 2.14 ms against AR's
+    1.96, though rounds of k = 3 cost its host 1.5, verified k = 15 in most speculative rounds and
+    ran 0.85 × AR; per k, twelve processes ran 0.94–1.13 × AR against 0.84–1.16 (BENCHMARKS).
     """
 
     def __init__(self, batch_sizes: Sequence[int], verify: dict[int, Sequence[float]],
@@ -263,7 +267,7 @@ class RoundCosts:
         self.draft_rate = draft_rate
         self.wall_rate = wall_rate
         self.wall_factor: dict[tuple[bool, int], float] = {}  # (k > 0, index of the nearest batch size) -> wall / predicted
-        self.host: dict[tuple[bool, int], float] = {}  # the same keys -> the host's seconds a chained round
+        self.host: dict[tuple[int, int], float] = {}  # (k, index of the nearest batch size) -> the host's seconds a chained round
 
     def _blend(self, n: int) -> tuple[int, int, float, float]:
         """Where batch n falls among the measured sizes, as (i, j, w, scale): a value per size
@@ -304,10 +308,15 @@ class RoundCosts:
         slope = terms.verify_slope + (terms.draft_slope if k else 0.0)
         return max(seconds + slope * terms.shift, 0.0)
 
-    def _bound(self, speculative: bool, at: int) -> tuple[float, float]:
-        """A kind of round's host seconds where rounds chain (0: none measured) and wall factor, at
-        the measured size `at`."""
-        return self.host.get((speculative, at), 0.0), self._wall_factor(speculative, at)
+    def _host(self, k: int, at: int) -> float:
+        """The host's seconds a chained round of k at the measured size `at`: its own, else an AR
+        step's (0: none measured) — a k not yet chosen looks no dearer than an AR step, so it is tried."""
+        own = self.host.get((k, at))
+        return own if own is not None else self.host.get((0, at), 0.0)
+
+    def _bound(self, k: int, at: int) -> tuple[float, float]:
+        """A round of k's host seconds where rounds chain and its kind's wall factor, at the measured size `at`."""
+        return self._host(k, at), self._wall_factor(k > 0, at)
 
     def _round(self, terms: _BatchTerms, k: int, bound: tuple[float, float]) -> float:
         host, factor = bound
@@ -322,31 +331,32 @@ class RoundCosts:
         """The expected wall time of such a round: the prediction — or the host's time for such a
         round where rounds overlap it and it is the longer — corrected by what rounds took."""
         terms = self._batch_terms(n, context)
-        return self._round(terms, k, self._bound(k > 0, terms.nearest))
+        return self._round(terms, k, self._bound(k, terms.nearest))
 
     def round_seconds_by_k(self, n: int, context: float | None = None) -> list[tuple[int, float]]:
         """(k, `round_seconds`) for every k bucket, ascending: the batch's shared terms once. The
         policy weighs them every round, on the host's critical path: asked k by k, its choice took
         about twice as long at batch 8, 1.5 times at batch 32 (`dflash_serve.services.bench.policy`, BENCHMARKS)."""
         terms = self._batch_terms(n, context)
-        bounds = self._bound(False, terms.nearest), self._bound(True, terms.nearest)  # each kind's once
-        return [(k, self._round(terms, k, bounds[k > 0])) for k in self.ks]
+        return [(k, self._round(terms, k, self._bound(k, terms.nearest))) for k in self.ks]
 
     def observe_round(self, n: int, k: int, seconds: float, context: float | None = None,
                       host_seconds: float = 0.0) -> None:
         """A round at batch n verifying k drafts, at mean position `context`, added `seconds` of
         wall time to the loop; `host_seconds`: the host's own time for it where the device ran the
         next round meanwhile (chained rounds; 0: none given)."""
-        key = (k > 0, self.nearest(n))
+        at = self.nearest(n)
+        key = (k > 0, at)
         device = self.predicted_seconds(n, k, context)
         if host_seconds > 0 and device > 0:
-            # From the device's prediction, so that one slow round (the first after start-up, a
-            # collection) cannot make a kind of round look dear until the policy never tries it again.
-            old_host = self.host.get(key, device)
-            self.host[key] = old_host + self.wall_rate * (min(host_seconds, OUTLIER_FACTOR * old_host) - old_host)
+            # From what the model used until now (an AR step's host time, or the device's
+            # prediction), so that one slow round (the first after start-up, a collection) cannot
+            # make a k look dear until the policy never tries it again.
+            old_host = self.host.get((k, at)) or max(self._host(k, at), device)
+            self.host[k, at] = old_host + self.wall_rate * (min(host_seconds, OUTLIER_FACTOR * old_host) - old_host)
         # The wall time over the round's own bound: its own host time where given, not the moving
         # average, which lags it, so that the factor does not count that lag on top of the host time.
-        bound = max(host_seconds if host_seconds > 0 else self.host.get(key, 0.0), device)
+        bound = max(host_seconds if host_seconds > 0 else self._host(k, at), device)
         if bound <= 0 or seconds <= 0:
             return
         old = self._wall_factor(*key)
