@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 
@@ -464,6 +465,27 @@ def test_each_k_is_bounded_by_its_own_host_time():
     costs.observe_round(32, 3, 2.0e-3, host_seconds=1.9e-3)
     assert costs.host[3, 2] == pytest.approx(ar_host + 0.05 * (1.9e-3 - ar_host))
     assert costs.host[15, 2] == pytest.approx(2.2e-3, rel=1e-3)  # untouched
+
+
+def test_a_policy_that_chose_deep_rounds_moves_to_the_shallow_k_that_costs_the_host_less():
+    """The H100 at batch 32, T 1 on alpaca, traced (BENCHMARKS, twenty-fourth session): a process
+    whose one host average for every k > 0 came from its rounds of k = 15 (2.0 ms of host against
+    AR's 1.41 and k = 3's 1.53) priced every k > 0 alike: 941 of its 1,093 rounds at batch 32 were
+    AR steps or k = 15, and it ran 0.85 × AR. With those host times per k and that acceptance, the
+    policy leaves both for the shallow ks once it has tried them (one host time for every k > 0
+    settles on AR steps here)."""
+    host = {0: 1.41e-3, 1: 1.65e-3, 3: 1.53e-3, 7: 1.56e-3, 15: 2.0e-3}
+    acceptance = [0.2, 0.18, 0.29, 0.59, 0.64, 0.73, 0.8] + [0.9] * (B - 8)
+    policy = _policy(_costs(lambda n, k: 1.0e-3 + 0.02e-3 * k), acceptance)
+    for k in (0, 15) * 100:  # what that process had learnt
+        policy.observe_round_time(32, k, 1.07 * host[k], host_seconds=host[k])
+    chosen = []
+    for _ in range(300):
+        k = policy.choose([None] * 32)
+        policy.observe_round_time(32, k, 1.07 * host[k], host_seconds=host[k])
+        chosen.append(k)
+    last = collections.Counter(chosen[-100:])
+    assert 15 not in last and last[3] + last[7] >= 90, last
 
 def test_the_wall_factor_of_chained_rounds_does_not_count_the_host_averages_lag():
     """The H100 at batch 32, AR steps of T 1 on alpaca: each took 2.19 ms of wall time, 1.94 of it
