@@ -223,20 +223,20 @@ class RoundCosts:
     Where rounds chain (a GPU), the device runs a round while the host finishes the one before and
     launches the next, so a round takes the longer of the two: the host's own seconds per round
     (`host_seconds`, a moving average per k and size; a k not yet chosen takes an AR step's) bound
-    the prediction from below, and the wall factor corrects that: it is each chained round's wall time over the
-    longer of that round's own host time and the device's prediction. Over the moving average of
-    the host time instead, the factor counted the average's lag twice: the average starts at the
-    device's prediction and takes ~50 rounds to reach the host's time, and the factor, learnt in
-    those rounds, kept the gap — on the H100 at batch 32, T 1 on alpaca, AR steps took 2.19 ms
-    (host 1.94) and the model read 2.64 (1.94 × 1.36) after 47 of them, while speculative rounds,
-    observed twice as often, had lost it (2.18 read for 2.62): it speculated where AR steps were
-    the faster. A prediction alone, scaled, kept the device's
+    the prediction from below, and the wall factor (per kind and size) corrects that: it is each
+    chained round's wall time over the longer of that round's own host time and the device's
+    prediction. Over the moving average of the host time instead, the factor counted the average's
+    lag twice: the average starts at the device's prediction and takes ~50 rounds to reach the
+    host's time, and the factor, learnt in those rounds, kept the gap — on the H100 at batch 32, T 1
+    on alpaca, AR steps took 2.19 ms (host 1.94) and the model read 2.64 (1.94 × 1.36) after 47 of
+    them, while speculative rounds, observed twice as often, had lost it (2.18 read for 2.62): it
+    speculated where AR steps were the faster. A prediction alone, scaled, kept the device's
     differences between ks where the host's time hid them: on the H100 at batch 32 the host took
     1.7–2.0 ms a round against the device's 1.3–1.5, the start-up costs read k = 3 at 1.5 ms and
     k = 15 at 1.8, and the policy verified k = 3 or 7 in 76–87 % of the rounds at T 0 on alpaca,
-    τ 1.94 against fixed B's 2.00, at 0.89–0.98 of its speed. One host time for every k > 0, learnt
-    from the ks chosen, priced a shallow k as the deep ones: on the H100 at batch 32, T 1 on alpaca,
-    a process whose average came from rounds of k = 15 priced every k > 0 at 2.14 ms against AR's
+    τ 1.94 against fixed B's 2.00, at 0.89–0.98 of its speed. One host time for every k > 0, learnt from
+    the ks chosen, priced a shallow k as the deep ones: on the H100 at batch 32, T 1 on alpaca, a
+    process whose average came from rounds of k = 15 priced every k > 0 at 2.14 ms against AR's
     1.96, though rounds of k = 3 cost its host 1.5, verified k = 15 in most speculative rounds and
     ran 0.85 × AR; per k, twelve processes ran 0.94–1.13 × AR against 0.84–1.16 (BENCHMARKS).
     """
@@ -267,7 +267,7 @@ class RoundCosts:
         self.draft_rate = draft_rate
         self.wall_rate = wall_rate
         self.wall_factor: dict[tuple[bool, int], float] = {}  # (k > 0, index of the nearest batch size) -> wall / predicted
-        self.host: dict[tuple[int, int], float] = {}  # (k, index of the nearest batch size) -> the host's seconds a chained round
+        self.host: dict[tuple[int, int], float] = {}  # (k, nearest batch size's index) -> host seconds a chained round
 
     def _blend(self, n: int) -> tuple[int, int, float, float]:
         """Where batch n falls among the measured sizes, as (i, j, w, scale): a value per size
@@ -338,7 +338,9 @@ class RoundCosts:
         policy weighs them every round, on the host's critical path: asked k by k, its choice took
         about twice as long at batch 8, 1.5 times at batch 32 (`dflash_serve.services.bench.policy`, BENCHMARKS)."""
         terms = self._batch_terms(n, context)
-        return [(k, self._round(terms, k, self._bound(k, terms.nearest))) for k in self.ks]
+        at = terms.nearest
+        factors = self._wall_factor(False, at), self._wall_factor(True, at)  # each kind's once
+        return [(k, self._round(terms, k, (self._host(k, at), factors[k > 0]))) for k in self.ks]
 
     def observe_round(self, n: int, k: int, seconds: float, context: float | None = None,
                       host_seconds: float = 0.0) -> None:

@@ -487,6 +487,7 @@ def test_a_policy_that_chose_deep_rounds_moves_to_the_shallow_k_that_costs_the_h
     last = collections.Counter(chosen[-100:])
     assert 15 not in last and last[3] + last[7] >= 90, last
 
+
 def test_the_wall_factor_of_chained_rounds_does_not_count_the_host_averages_lag():
     """The H100 at batch 32, AR steps of T 1 on alpaca: each took 2.19 ms of wall time, 1.94 of it
     the host's, against 0.99 predicted for the device. The host's moving average starts at the
