@@ -13,7 +13,8 @@ sequence (spec §3):  draft → verify → accept → commit → trim.
   they equal those samples, so every emitted token is the target's own;
 - commit: the a+1 emitted tokens go through the stop checker (which may end the request inside
   the block); the target cache keeps s..s+a, and feature rows of slots 0..a — only those —
-  become the drafter's next context (also after k = 0, so later rounds can draft);
+  become the drafter's next context (also after k = 0, so later rounds can draft; on a CPU the
+  rows of AR steps wait and go in one injection before the next round that drafts);
 - trim: blocks past the cached positions go back to the pool.
 
 Chained rounds (`EngineConfig.async_scheduling`, on a GPU): accept runs on the device, and its
@@ -83,6 +84,9 @@ MAX_TIMED_BATCH = 32
 # only where the measured costs say they pay (`_two_groups_pay`); below it, the host's work per
 # round would weigh on every step twice.
 MIN_GROUP_SIZE = 8
+# On a CPU the context rows of at most this many AR steps in a row wait to be injected together
+# (`Engine.defer_context`): one injection then reads the drafter's projections for all of them.
+MAX_DEFERRED_STEPS = 32
 
 
 @dataclass
@@ -249,6 +253,12 @@ class Engine:
         # Chain rounds (`step`). On a CPU nothing overlaps, and a chained round after a request's
         # last one is wasted work, so there only the tests turn it on (to run the same loop).
         self.chain_rounds = config.async_scheduling and self.device.type == "cuda"
+        # On a CPU an AR step's context rows wait for the next round that drafts (or for their
+        # blocks to change hands) and go in one injection: each injection reads the drafter's
+        # projections whole, and one a step cost AR steps 2.0–2.7 % at batch 1 and 8 (BENCHMARKS).
+        # On a GPU the injection is queued behind the verify (or inside its graph) and overlaps.
+        self.defer_context = self.device.type == "cpu"
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (features, positions, slots)
         self.graphs: RoundGraphs | None = None  # set by the loader on CUDA
         self.prefill_graphs: PrefillGraphs | None = None  # likewise
         self.proposer_losses = 0
@@ -357,6 +367,8 @@ class Engine:
                 self._guarded(self._finish_round, previous, previous.seqs)
                 self._observe_round_time(previous)
             plan = self.scheduler.schedule()
+            if plan.preempted:  # their blocks may go to others: their rows go in first (one
+                self._flush_context()  # injection holding both would write a slot twice, in no set order)
             now = time.monotonic()
             for chunk in plan.prefills:
                 if chunk.seq.scheduled_time is None:
@@ -530,12 +542,14 @@ class Engine:
                 self._guarded(self._finish_round, group.in_flight, group.seqs)
 
     def drain(self) -> None:
-        """Read the rounds still on the device, if any: before anything that changes the batch
-        or the caches outside the step loop (their outputs go out with the next step's)."""
+        """Read the rounds still on the device, if any, and inject deferred context rows: before
+        anything that changes the batch or the caches outside the step loop (their outputs go out
+        with the next step's)."""
         self._end_groups()
         previous, self._in_flight = self._in_flight, None
         if previous is not None:
             self._guarded(self._finish_round, previous, previous.seqs)
+        self._flush_context()
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
         """Run one request to completion, yielding its outputs as they come (other queued requests
@@ -595,11 +609,9 @@ class Engine:
         else:
             logits, features, pos_t, slots = self._eager_prefill(chunks, sampling)
             injected = False
-        if proposer is not None and not injected:
-            try:
-                proposer.inject_context(features, pos_t, slots)
-            except ProposerLost as err:
-                self._lose_proposer(err)
+        if proposer is not None and not injected:  # with any deferred rows, in one injection
+            self._deferred.append((features, pos_t, slots))
+            self._flush_context()
         for c in chunks:
             c.seq.num_cached = c.start + c.length
             self.scheduler.offer_committed_blocks(c.seq)
@@ -651,6 +663,10 @@ class Engine:
         proposer = self.proposer
         if proposer is None:
             return 0
+        if k:  # its draft attends over the rows AR steps deferred
+            self._flush_context()
+            if self.proposer is None:
+                return 0
         try:
             if previous is not None and proposer.context_after_accept:
                 self._send_every_slot(previous)
@@ -710,6 +726,10 @@ class Engine:
         context = None
         if drafter is not None and drafter.context_after_accept:
             context = (features, inputs.positions.flatten(), slots)  # `_finish_round` sends the accepted ones
+        elif drafter is not None and not k and self.defer_context:
+            self._deferred.append((features, inputs.positions.flatten(), slots))
+            if len(self._deferred) >= MAX_DEFERRED_STEPS:
+                self._flush_context()
         elif drafter is not None:
             try:
                 drafter.inject_context(features, inputs.positions.flatten(), slots)
@@ -881,8 +901,19 @@ class Engine:
         tm.host += finish_seconds
         tm.rounds += 1
 
+    def _flush_context(self) -> None:
+        """Inject the context rows that wait (`defer_context`), in the order they came, in one call."""
+        if not self._deferred:
+            return
+        rows, self._deferred = self._deferred, []
+        try:
+            self.proposer.inject_context(*(torch.cat(part) for part in zip(*rows, strict=True)))
+        except ProposerLost as err:
+            self._lose_proposer(err)
+
     def _lose_proposer(self, err: Exception) -> None:
         log.warning("drafter lost (%s): continuing target-only until it is back", err)
+        self._deferred.clear()
         self.proposer.release()
         self.proposer = None  # the graphs no longer fit (RoundGraphs.fits): the fallback runs eagerly
         self.block_size = self.scheduler.lookahead = 1
@@ -1034,6 +1065,7 @@ class Engine:
         seq.status = SequenceStatus.FINISHED
         if reason is not FinishReason.ERROR:  # after a failed forward, keep only what was cached before
             self.scheduler.offer_committed_blocks(seq)
+        self._flush_context()  # before its blocks go back, as for a preemption (`step`)
         self.scheduler.remove(seq)
         if self.proposer is not None:
             self.proposer.forget([seq.request_id])

@@ -5,9 +5,13 @@ the dense recomputation's, and under memory pressure nothing leaks."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
+from dflash_serve.services.engine.draft_runner import DraftRunner
+from dflash_serve.services.engine.engine import MAX_DEFERRED_STEPS
 from dflash_serve.services.engine.kv_cache import BlockAllocator, hash_block_tokens
 from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
@@ -262,6 +266,78 @@ def test_preemption_and_eviction_under_memory_pressure_stay_lossless_and_leak_no
     assert engine.sequences["q0"].output_ids == refs["q0"][len(prompts[0]) : len(prompts[0]) + 40]
     _assert_all_blocks_free(engine)
     assert engine.allocator.num_cached_blocks <= engine.allocator.num_blocks
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_rows_that_ar_steps_defer_reach_the_drafter_before_it_drafts_and_before_their_blocks_change_hands(
+        target, drafter, sampling):
+    """On a CPU the context rows of AR steps wait (`Engine.defer_context`) for the next round that
+    drafts, a prefill, or the release of their blocks. Rounds forced to runs of AR steps between
+    drafting rounds — one request alone for longer than MAX_DEFERRED_STEPS, then five under memory
+    pressure (preemptions, cached blocks evicted and reused) and a cancellation while rows wait:
+    whenever a round drafts, and after every step where none wait, a real drafter's context of
+    every running sequence equals a dense recomputation, and outputs and acceptance equal those of
+    an engine that injects every step's rows at once."""
+    opening = _tokens(10, 8)
+    prompts = [opening + _tokens(3 + 2 * i, 30 + i) for i in range(5)]
+
+    def params(i):
+        tokens = 2 * MAX_DEFERRED_STEPS if i == 0 else 16
+        if sampling == "greedy":
+            return SamplingParams(temperature=0.0, max_tokens=tokens)
+        return SamplingParams(temperature=1.0, top_k=20, seed=i, max_tokens=tokens)
+
+    results, seen = {}, {}
+    for defer in (True, False):
+        engine = build_engine(target, drafter=drafter, num_blocks=28, kv_block_size=KV, max_num_seqs=5)
+        assert engine.defer_context  # a CPU engine defers
+        engine.defer_context = defer
+        schedule = itertools.chain([0] * (MAX_DEFERRED_STEPS + 3), itertools.cycle([B - 1, 0, 0, 0, 1, 0, 0, 2]))
+        engine._choose_k = lambda seqs, schedule=schedule: next(schedule)
+        runner, drafted, stale = engine.proposer, [], []
+
+        def request_drafts(request_ids, *args, runner=runner, drafted=drafted, stale=stale, **kwargs):
+            for rid in request_ids:  # the draft attends over every committed row (noted here: the
+                try:                 # engine would fail the requests of a step that raises)
+                    assert_draft_context_is_committed_rows(runner, engine.sequences[rid], KV)
+                except AssertionError as err:
+                    stale.append((rid, err))
+            drafted.append(len(request_ids))
+            DraftRunner.request_drafts(runner, request_ids, *args, **kwargs)
+
+        runner.request_drafts = request_drafts
+        engine.add_request(prompts[0], params(0), "q0")
+        waiting, steps = [], 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+            if steps == MAX_DEFERRED_STEPS + 2:  # q0 alone so far: the rest join while its rows wait
+                for i in range(1, 5):
+                    engine.add_request(prompts[i], params(i), f"q{i}")
+            if steps == MAX_DEFERRED_STEPS + 8:
+                waiting.append(len(engine._deferred))
+                assert engine.cancel("q2")
+            waiting.append(len(engine._deferred))
+            assert_no_write_can_reach_a_shared_block(engine)
+            if not engine._deferred:
+                for seq in engine.scheduler.running:
+                    if seq.num_cached:
+                        assert_draft_context_is_committed_rows(engine.proposer, seq, KV)
+        assert not engine._deferred  # the last request's end injected what waited
+        results[defer] = [(engine.sequences[f"q{i}"].output_ids, engine.sequences[f"q{i}"].stats.accepted_per_position)
+                          for i in range(5)]
+        assert not stale and len(drafted) >= 6
+        assert all(engine.sequences[f"q{i}"].finish_reason is not FinishReason.ERROR for i in range(5))
+        seen[defer] = (engine.scheduler.num_preemptions, max(waiting), waiting[MAX_DEFERRED_STEPS + 7])
+        if sampling == "greedy":
+            for i in (0, 1, 3, 4):
+                assert results[defer][i][0] == hf_greedy(target, prompts[i], params(i).max_tokens)
+        _assert_all_blocks_free(engine)
+    assert results[True] == results[False]
+    preemptions, most_waiting, waiting_at_cancel = seen[True]
+    assert preemptions > 0, "the test did not exercise preemption"
+    assert most_waiting == MAX_DEFERRED_STEPS - 1 and waiting_at_cancel > 0, seen[True]
+    assert seen[False][1:] == (0, 0)
 
 
 def test_a_new_drafter_starts_from_an_empty_prefix_cache(target):
