@@ -906,8 +906,10 @@ class Engine:
         if not self._deferred:
             return
         rows, self._deferred = self._deferred, []
+        # One set of rows (a prefill's, on a GPU always) goes as it is: a long prompt's features are large.
+        features, positions, slots = rows[0] if len(rows) == 1 else (torch.cat(p) for p in zip(*rows, strict=True))
         try:
-            self.proposer.inject_context(*(torch.cat(part) for part in zip(*rows, strict=True)))
+            self.proposer.inject_context(features, positions, slots)
         except ProposerLost as err:
             self._lose_proposer(err)
 
