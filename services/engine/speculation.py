@@ -30,7 +30,6 @@ import operator
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 from dflash_serve.services.config import EngineConfig
 
@@ -102,32 +101,42 @@ class AcceptanceTracker:
     def observe_counts(self, rounds: Counter[tuple[int, int]]) -> None:
         """As `observe_round`, from how many sequences verified v drafts and had a accepted,
         {(v, a): count}: a batch holds few distinct pairs, counted in C, not sequence by sequence."""
-        positions = len(self.acceptance)
+        # Every speculative round, on the host's critical path: locals and comparisons, not attribute
+        # reads and min/max calls (`dflash_serve.services.bench.policy`, BENCHMARKS).
+        acceptance, seen, prior_trials = self.acceptance, self.trials, self.prior_trials
+        positions = len(acceptance)
         ends = [0] * (positions + 1)  # ends[d]: sequences whose trials were drafts 1..d
         passes = [0] * (positions + 1)  # passes[a]: sequences that accepted a drafts (a ≤ their end)
         deepest = reach = 0  # the most drafts verified, and tried
         for (k, a), count in rounds.items():
             # Draft j (1-based) is a trial when j ≤ k and drafts before it were accepted (j ≤ a+1).
-            end = min(a + 1, k)
+            end = a + 1 if a < k else k
             ends[end] += count
             passes[a] += count
-            deepest, reach = max(deepest, k), max(reach, end)
+            if k > deepest:
+                deepest = k
+            if end > reach:
+                reach = end
         if not deepest:
             return
         trials = hits = 0
         averaging = int(1 / self.rate)  # trials while 1/(trials + prior_trials) ≥ rate: the mean
+        decay = 1 - self.rate
         for j in range(reach - 1, -1, -1):  # draft j+1's trials and hits: the deeper ends and passes
             trials += ends[j + 1]
             hits += passes[j + 1]
             # Each trial moves the estimate by max(rate, 1/(its trials so far + prior_trials)):
             # what those steps keep of the old estimate, the rest goes to the round's mean.
-            before = self.prior_trials + self.trials[j]
-            mean_steps = min(trials, max(0, averaging - before))
-            keep = before / (before + mean_steps) * (1 - self.rate) ** (trials - mean_steps)
-            self.acceptance[j] += (1 - keep) * (hits / trials - self.acceptance[j])
-            self.trials[j] += trials
+            before = prior_trials + seen[j]
+            mean_steps = averaging - before if before < averaging else 0
+            if mean_steps > trials:
+                mean_steps = trials
+            keep = before / (before + mean_steps) * decay ** (trials - mean_steps)
+            acceptance[j] += (1 - keep) * (hits / trials - acceptance[j])
+            seen[j] += trials
+        drift, prior = self.drift, self.prior
         for j in range(deepest, positions):
-            self.acceptance[j] += self.drift * (self.prior - self.acceptance[j])
+            acceptance[j] += drift * (prior - acceptance[j])
 
 
 class RealizedDrafts:
@@ -174,17 +183,6 @@ class RealizedDrafts:
             self.accepted = (1 - self.rate) * self.accepted + accepted
         elif k == 1:
             self.accepted += self.drift * (self.expected - self.accepted)
-
-
-class _BatchTerms(NamedTuple):
-    """The parts of a round's cost that every k at one batch size and context shares."""
-
-    blend: tuple[int, int, float, float]  # `RoundCosts._blend`
-    nearest: int  # the nearest measured batch size's index: the wall factors' and host times' key
-    draft: float
-    verify_slope: float
-    draft_slope: float
-    shift: float | None  # context − the measured context (None: as measured)
 
 
 class RoundCosts:
@@ -268,6 +266,7 @@ class RoundCosts:
         self.wall_rate = wall_rate
         self.wall_factor: dict[tuple[bool, int], float] = {}  # (k > 0, index of the nearest batch size) -> wall / predicted
         self.host: dict[tuple[int, int], float] = {}  # (k, nearest batch size's index) -> host seconds a chained round
+        self._by_size: dict[int, tuple[int, dict[int, tuple[float, float]]]] = {}  # `_size_terms`
 
     def _blend(self, n: int) -> tuple[int, int, float, float]:
         """Where batch n falls among the measured sizes, as (i, j, w, scale): a value per size
@@ -294,19 +293,27 @@ class RoundCosts:
     def draft_seconds(self, n: int) -> float:
         return self._interpolate(self.draft, n)
 
-    def _batch_terms(self, n: int, context: float | None) -> _BatchTerms:
-        """What every k's cost at batch n and mean position `context` shares."""
-        blend = self._blend(n)
-        shift = None if context is None else context - self.context
-        return _BatchTerms(blend, self.nearest(n), self._at(self.draft, blend), self._at(self.verify_slope, blend),
-                           self._at(self.draft_slope, blend), shift)
+    def _size_terms(self, n: int) -> tuple[int, dict[int, tuple[float, float]]]:
+        """Batch n's nearest measured size index, and per k its forwards' seconds at the measured
+        context and their seconds per position of context: what every round at batch n shares,
+        computed once per batch size (bounded by the largest batch; a draft time learnt clears them)."""
+        terms = self._by_size.get(n)
+        if terms is None:
+            blend = self._blend(n)
+            draft, slope = self._at(self.draft, blend), self._at(self.verify_slope, blend)
+            draft_slope = self._at(self.draft_slope, blend)
+            terms = self.nearest(n), {k: (self._at(self.verify[k], blend) + (draft if k else 0.0),
+                                          slope + (draft_slope if k else 0.0)) for k in self.ks}
+            self._by_size[n] = terms
+        return terms
 
-    def _predicted(self, terms: _BatchTerms, k: int) -> float:
-        seconds = self._at(self.verify[k], terms.blend) + (terms.draft if k else 0.0)
-        if terms.shift is None:
-            return seconds
-        slope = terms.verify_slope + (terms.draft_slope if k else 0.0)
-        return max(seconds + slope * terms.shift, 0.0)
+    def _shift(self, context: float | None) -> float | None:
+        return None if context is None else context - self.context
+
+    @staticmethod
+    def _predicted(terms: tuple[float, float], shift: float | None) -> float:
+        seconds, slope = terms
+        return seconds if shift is None else max(seconds + slope * shift, 0.0)
 
     def _host(self, k: int, at: int) -> float:
         """The host's seconds a chained round of k at the measured size `at`: its own, else an AR
@@ -314,33 +321,31 @@ class RoundCosts:
         own = self.host.get((k, at))
         return own if own is not None else self.host.get((0, at), 0.0)
 
-    def _bound(self, k: int, at: int) -> tuple[float, float]:
-        """A round of k's host seconds where rounds chain and its kind's wall factor, at the measured size `at`."""
-        return self._host(k, at), self._wall_factor(k > 0, at)
-
-    def _round(self, terms: _BatchTerms, k: int, bound: tuple[float, float]) -> float:
-        host, factor = bound
-        return max(host, self._predicted(terms, k)) * factor
-
     def predicted_seconds(self, n: int, k: int, context: float | None = None) -> float:
         """A round's forwards at batch n verifying k drafts (no draft forward when k = 0), with
         the sequences at mean position `context` (None: where they were measured)."""
-        return self._predicted(self._batch_terms(n, context), k)
+        return self._predicted(self._size_terms(n)[1][k], self._shift(context))
 
     def round_seconds(self, n: int, k: int, context: float | None = None) -> float:
         """The expected wall time of such a round: the prediction — or the host's time for such a
         round where rounds overlap it and it is the longer — corrected by what rounds took."""
-        terms = self._batch_terms(n, context)
-        return self._round(terms, k, self._bound(k, terms.nearest))
+        at, per_k = self._size_terms(n)
+        return max(self._host(k, at), self._predicted(per_k[k], self._shift(context))) * self._wall_factor(k > 0, at)
 
     def round_seconds_by_k(self, n: int, context: float | None = None) -> list[tuple[int, float]]:
-        """(k, `round_seconds`) for every k bucket, ascending: the batch's shared terms once. The
-        policy weighs them every round, on the host's critical path: asked k by k, its choice took
-        about twice as long at batch 8, 1.5 times at batch 32 (`dflash_serve.services.bench.policy`, BENCHMARKS)."""
-        terms = self._batch_terms(n, context)
-        at = terms.nearest
-        factors = self._wall_factor(False, at), self._wall_factor(True, at)  # each kind's once
-        return [(k, self._round(terms, k, (self._host(k, at), factors[k > 0]))) for k in self.ks]
+        """(k, `round_seconds`) for every k bucket, ascending. The policy weighs them every round, on
+        the host's critical path: the batch's terms come once per batch size (`_size_terms`), each
+        kind's wall factor and an AR step's host time once a call (`dflash_serve.services.bench.policy`,
+        BENCHMARKS: asked k by k, the choice took about twice as long at batch 8)."""
+        at, per_k = self._size_terms(n)
+        shift = self._shift(context)
+        factors = self._wall_factor(False, at), self._wall_factor(True, at)
+        host, ar_host = self.host, self.host.get((0, at), 0.0)
+        out = []
+        for k in self.ks:
+            own = host.get((k, at))
+            out.append((k, max(ar_host if own is None else own, self._predicted(per_k[k], shift)) * factors[k > 0]))
+        return out
 
     def observe_round(self, n: int, k: int, seconds: float, context: float | None = None,
                       host_seconds: float = 0.0) -> None:
@@ -385,6 +390,7 @@ class RoundCosts:
         scaled = seconds * self.batch_sizes[at] / n  # to that size, as if linear in n nearby
         old = self.draft[at]
         self.draft[at] = scaled if old == 0.0 else old + self.draft_rate * (scaled - old)
+        self._by_size.clear()  # their draft terms
 
 
 def time_call(run: Callable[[], None], sync: Callable[[], None], *, reps: int = 3, budget_s: float = 0.02,

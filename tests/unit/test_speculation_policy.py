@@ -140,14 +140,19 @@ def test_an_unobserved_kind_of_round_takes_the_other_kinds_factor_up_to_1():
 
 
 def test_a_remote_drafters_cost_is_learnt_from_rounds_starting_optimistic():
-    costs = RoundCosts([1, 8], {0: [1.0, 2.0]}, None)
+    costs = RoundCosts([1, 8], {0: [1.0, 2.0], 7: [1.5, 3.0]}, None)
     assert not costs.measured_draft and costs.draft_seconds(4) == 0.0
+    assert costs.round_seconds(8, 7) == 3.0 and costs.round_seconds(4, 7) == pytest.approx(1.5 + 1.5 * 3 / 7)
     costs.observe_draft(8, 0.4)
     assert costs.draft_seconds(8) == 0.4  # the first observation replaces the optimistic 0
     costs.observe_draft(8, 0.6)
     assert costs.draft_seconds(8) == pytest.approx(0.4 + 0.1 * 0.2)
     costs.observe_draft(2, 0.2)  # nearest measured size is 1: scaled to it
     assert costs.draft_seconds(1) == pytest.approx(0.1)
+    # A round's cost per batch size, computed once a size, follows the draft time learnt since.
+    for n in (1, 4, 8):
+        assert costs.round_seconds(n, 7) == pytest.approx(costs.verify_seconds(n, 7) + costs.draft_seconds(n))
+        assert costs.round_seconds(n, 0) == pytest.approx(costs.verify_seconds(n, 0))
 
 
 @pytest.mark.parametrize("acceptance", [0.95, 0.8, 0.6, 0.3, 0.05])
