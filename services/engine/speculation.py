@@ -335,17 +335,12 @@ class RoundCosts:
     def round_seconds_by_k(self, n: int, context: float | None = None) -> list[tuple[int, float]]:
         """(k, `round_seconds`) for every k bucket, ascending. The policy weighs them every round, on
         the host's critical path: the batch's terms come once per batch size (`_size_terms`), each
-        kind's wall factor and an AR step's host time once a call (`dflash_serve.services.bench.policy`,
+        kind's wall factor once a call (`dflash_serve.services.bench.policy`,
         BENCHMARKS: asked k by k, the choice took about twice as long at batch 8)."""
         at, per_k = self._size_terms(n)
         shift = self._shift(context)
         factors = self._wall_factor(False, at), self._wall_factor(True, at)
-        host, ar_host = self.host, self.host.get((0, at), 0.0)
-        out = []
-        for k in self.ks:
-            own = host.get((k, at))
-            out.append((k, max(ar_host if own is None else own, self._predicted(per_k[k], shift)) * factors[k > 0]))
-        return out
+        return [(k, max(self._host(k, at), self._predicted(per_k[k], shift)) * factors[k > 0]) for k in self.ks]
 
     def observe_round(self, n: int, k: int, seconds: float, context: float | None = None,
                       host_seconds: float = 0.0) -> None:
