@@ -13,6 +13,12 @@ blocks, so their writes never touch a real sequence's KV.
 A round verifies k of the B−1 drafts (dflash_serve.services.engine.speculation): the verify and the context
 injection are captured per k bucket of each batch bucket (k = 0 verifies the bonus token alone),
 the draft once per batch bucket (it always drafts the whole block).
+
+The target's sampling and the round's acceptance are captured too, per k bucket, once for greedy
+batches and once for batches that sample without top-k or top-p (the race reads temperatures and
+seeds from static buffers): eager, their launches (3 of them Triton's) and allocations took the
+H100's host 190–260 µs a round at batch 8, the replay ~20 (BENCHMARKS). Batches that truncate
+have data-dependent shapes and sample eagerly.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_serve.kernels import accept_round
 from dflash_serve.services.engine.draft_runner import DraftRunner, Proposer
 from dflash_serve.services.engine.kv_cache import AttentionBatch
+from dflash_serve.services.engine.sampling import SamplingBatch, sample_tokens
 from dflash_serve.services.engine.speculation import time_call
 from dflash_serve.services.engine.target_runner import TargetRunner
 
@@ -51,8 +59,20 @@ def capture_graph(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
 
 
 @dataclass
+class _Accept:
+    """A bucket's sampling and acceptance after its verify of k drafts: [accepted, the k+1 tokens]
+    per row, and the next bonus tokens and starts."""
+
+    graph: torch.cuda.CUDAGraph
+    results: torch.Tensor
+    next_bonus: torch.Tensor
+    next_starts: torch.Tensor
+
+
+@dataclass
 class _Verify:
-    """A bucket's verify of k drafts per sequence (k+1 tokens) and its context injection."""
+    """A bucket's verify of k drafts per sequence (k+1 tokens), its context injection, and its
+    acceptance (by whether the batch is all greedy)."""
 
     k: int
     logits: torch.Tensor | None = None
@@ -60,6 +80,7 @@ class _Verify:
     slots: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
     inject_graph: torch.cuda.CUDAGraph | None = None
+    accepts: dict[bool, _Accept] = field(default_factory=dict)
 
 
 @dataclass
@@ -74,6 +95,8 @@ class GraphBucket:
     host_ids: torch.Tensor | None = None  # pinned [2, n]: bonus, starts
     host_tables: torch.Tensor | None = None  # pinned [n, max_blocks]
     staged: torch.cuda.Event | None = None
+    race: SamplingBatch | None = None  # the accept graphs' sampling parameters: static temperature and seed [n]
+    loaded: SamplingBatch | None = None  # the batch whose parameters `race` holds
 
 
 class RoundGraphs:
@@ -129,6 +152,15 @@ class RoundGraphs:
         out.slots = batch.slot_mapping
         out.logits, out.features = self.runner.forward(ids.flatten(), positions.flatten(), batch, rows)
 
+    def _accept(self, bucket: GraphBucket, out: _Verify, greedy: bool) -> tuple[torch.Tensor, ...]:
+        """The target's token at every verified slot, and the drafts accepted (as the engine's eager
+        round: `sample_tokens`, then `accept_round`); padding rows accept whatever, unread."""
+        width = out.k + 1
+        logits = out.logits.view(bucket.size, width, -1)
+        positions = bucket.starts[:, None] + self._offsets[:width] + 1  # where each sampled token goes
+        tokens = sample_tokens(logits, SamplingBatch.greedy() if greedy else bucket.race, positions)
+        return accept_round(tokens, bucket.starts, bucket.drafts[:, :out.k] if out.k else None)
+
     def _inject(self, bucket: GraphBucket, out: _Verify) -> None:
         """Every verified slot's feature row into the drafter's context, accepted or not (Engine:
         the rows past the accepted ones are overwritten by the next draft before it reads them)."""
@@ -152,6 +184,8 @@ class RoundGraphs:
         )
         if self.runner is not None:
             bucket.verified = {k: _Verify(k) for k in self.k_buckets}
+            bucket.race = SamplingBatch.untruncated(torch.ones(size, dtype=torch.float32, device=device),
+                                                    torch.zeros(size, dtype=torch.long, device=device))
         inject = self.runner is not None and self.proposer is not None
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -163,6 +197,8 @@ class RoundGraphs:
                     self._verify(bucket, out)
                     if inject:
                         self._inject(bucket, out)
+                    for greedy in (True, False):
+                        self._accept(bucket, out, greedy)
         torch.cuda.current_stream(device).wait_stream(stream)
         if self.proposer is not None:
             bucket.draft_graph = torch.cuda.CUDAGraph()
@@ -178,6 +214,11 @@ class RoundGraphs:
                 out.inject_graph = torch.cuda.CUDAGraph()
                 with capture_graph(out.inject_graph, self._pool):
                     self._inject(bucket, out)
+            for greedy in (True, False):
+                graph = torch.cuda.CUDAGraph()
+                with capture_graph(graph, self._pool):
+                    results, next_bonus, next_starts = self._accept(bucket, out, greedy)
+                out.accepts[greedy] = _Accept(graph, results, next_bonus, next_starts)
         return bucket
 
     def fits(self, proposer, block: int) -> bool:
@@ -257,6 +298,26 @@ class RoundGraphs:
 
     def inject(self, bucket: GraphBucket, k: int) -> None:
         bucket.verified[k].inject_graph.replay()
+
+    @staticmethod
+    def accepts(sampling: SamplingBatch) -> bool:
+        """Whether a batch's sampling runs in the accept graphs: no request truncates."""
+        return not sampling.truncates
+
+    def accept(self, bucket: GraphBucket, k: int, sampling: SamplingBatch,
+               n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Replay the sampling and acceptance after the verify of k drafts (`accepts(sampling)`), for
+        n sequences: results [n, k+2], next bonus [n] and starts [n], the graph's buffers — which
+        its next replay rewrites: read them before (the host's copy of results is queued right after
+        it; a round chained on this one loads the rest first)."""
+        greedy = sampling.all_greedy
+        if not greedy and bucket.loaded is not sampling:  # a round chained on the same batch keeps them
+            bucket.race.temperature[:n].copy_(sampling.temperature)
+            bucket.race.seed[:n].copy_(sampling.seed)
+            bucket.loaded = sampling
+        out = bucket.verified[k].accepts[greedy]
+        out.graph.replay()
+        return out.results[:n], out.next_bonus[:n], out.next_starts[:n]
 
     def time_round(self, context: int, reps: int = 5) -> dict:
         """Seconds of each bucket's replays with every sequence at position `context` (through the

@@ -742,17 +742,10 @@ class Engine:
         # The same sequences as the round it chains on: the same parameters and seeds, already on the device (building
         # them, a few host-to-device copies, took the H100's host ~180 µs a round at batch 32, T 1; BENCHMARKS).
         sampling = previous.sampling if previous is not None and seqs is previous.seqs else self._sampling_batch(seqs)
-        target_tokens = sample_tokens(logits.view(n, k + 1, -1), sampling, inputs.positions + 1)
         verified = [k if s.params.num_speculative_tokens is None else min(k, s.params.num_speculative_tokens)
                     for s in seqs]
-        limits = verified
-        if self.synthetic_tau is not None and k:  # an AR round accepts nothing, and owes nothing
-            # Every draft as the target's own token, up to the synthetic length.
-            length = self._synthetic_accept_length(k)
-            drafts, limits = target_tokens[:, :-1], [min(v, length) for v in verified]
-        limits_t = to_device(limits, torch.long, self.device) if min(limits) < k else None
         # [accepted, the k+1 tokens] for the host; next bonus and start for a round chained on this one
-        results, next_bonus, next_starts = accept_round(target_tokens, inputs.starts, drafts, limits_t)
+        results, next_bonus, next_starts = self._accept(inputs, logits, drafts, sampling, verified, k, group is not None)
         clock.mark()
         ready = None
         if results.is_cuda:  # to the host without waiting for it: `_finish_round` waits
@@ -843,6 +836,27 @@ class Engine:
         logits, features = self.runner.forward(block_ids.flatten(), inputs.positions.flatten(), inputs.batch,
                                                torch.arange(rows, device=self.device))
         return logits, features, inputs.batch.slot_mapping
+
+    def _accept(self, inputs: _RoundInputs, logits: torch.Tensor, drafts: torch.Tensor | None,
+                sampling: SamplingBatch, verified: list[int], k: int,
+                grouped: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The target's token at every slot, and per sequence the drafts accepted, up to its `verified`
+        limit: [accepted, the k+1 tokens] for the host, the next bonus and start on the device. In
+        the bucket's accept graph where no sequence's limit is below k and no request truncates —
+        not for a group's round (`grouped`): the other group's round of the same bucket and k
+        would rewrite the graph's buffers before this group's next round reads them."""
+        n = len(verified)
+        if (not grouped and inputs.bucket is not None and (self.synthetic_tau is None or not k) and min(verified) == k
+                and self.graphs.accepts(sampling)):
+            return self.graphs.accept(inputs.bucket, k, sampling, n)
+        target_tokens = sample_tokens(logits.view(n, k + 1, -1), sampling, inputs.positions + 1)
+        limits = verified
+        if self.synthetic_tau is not None and k:  # an AR round accepts nothing, and owes nothing
+            # Every draft as the target's own token, up to the synthetic length.
+            length = self._synthetic_accept_length(k)
+            drafts, limits = target_tokens[:, :-1], [min(v, length) for v in verified]
+        limits_t = to_device(limits, torch.long, self.device) if min(limits) < k else None
+        return accept_round(target_tokens, inputs.starts, drafts, limits_t)
 
     def _send_every_slot(self, rnd: _Round) -> None:
         """Give a drafter that takes context after acceptance the feature rows of every slot of

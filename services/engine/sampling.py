@@ -105,12 +105,24 @@ class SamplingBatch:
         return self.any_top_k or self.any_top_p
 
     @classmethod
+    def greedy(cls) -> SamplingBatch:
+        """Every request greedy: argmax needs none of the per-request tensors."""
+        return cls(temperature=None, seed=None, top_p=None, top_k=None, truncated_requests=None, all_greedy=True,
+                   any_top_k=False, any_top_p=False, max_top_k=0, needs_full_sort=False)
+
+    @classmethod
+    def untruncated(cls, temperature: Tensor, seed: Tensor) -> SamplingBatch:
+        """Requests that sample without top-k or top-p (greedy ones: temperature 0) from these tensors:
+        a CUDA graph's, whose shapes do not depend on the parameters (`RoundGraphs.accept`)."""
+        return cls(temperature=temperature, seed=seed, top_p=None, top_k=None, truncated_requests=None,
+                   all_greedy=False, any_top_k=False, any_top_p=False, max_top_k=0, needs_full_sort=False)
+
+    @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], device: torch.device | str) -> SamplingBatch:
         if len(params) != len(seeds):
             raise ValueError(f"{len(params)} sampling params but {len(seeds)} seeds")
-        if all(p.greedy for p in params):  # argmax needs none of the per-request tensors: no copies
-            return cls(temperature=None, seed=None, top_p=None, top_k=None, truncated_requests=None, all_greedy=True,
-                       any_top_k=False, any_top_p=False, max_top_k=0, needs_full_sort=False)
+        if all(p.greedy for p in params):  # no copies
+            return cls.greedy()
         truncated = [i for i, p in enumerate(params) if not p.greedy and (p.top_k > 0 or p.top_p < 1)]
         top_ks = [params[i].top_k for i in truncated if params[i].top_k > 0]
         return cls(

@@ -5,6 +5,8 @@ Skipped without CUDA (CI); run on the GPU test machine.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -319,3 +321,50 @@ def test_cuda_graphs_per_k_bucket_stay_lossless(async_scheduling):
     assert [s.output_ids for s in done] == reference
     assert replayed and set(replayed) <= set(graphs.k_buckets)
     assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["chained", "synced"])
+def test_accept_graphs_sample_and_accept_as_the_eager_round(async_scheduling):
+    """Rounds of every k whose batch samples without truncation (all greedy, or greedy and seeded
+    requests mixed) sample and accept in the bucket's accept graphs, chained rounds reading the
+    graphs' next bonus tokens and starts; a batch that truncates (top-k) samples eagerly, and so do
+    rounds that verify more drafts than a request's limit. Every output equals the eager target's."""
+    model = tiny_target("qwen3", layers=4, vocab=V, seed=7).float().cuda()
+    cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
+                         layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
+    drafter = random_drafter(cfg, seed=3, dtype=torch.float32).cuda()
+    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 9]  # 3 sequences: a padded bucket of 4
+    greedy = SamplingParams(temperature=0.0, max_tokens=40)
+    seeded = [SamplingParams(temperature=1.0, seed=s, max_tokens=40) for s in (5, 6)]
+    batches = {
+        "greedy": [greedy] * 3,
+        "mixed": [greedy, *seeded],
+        "top_k": [dataclasses.replace(p, top_k=8) for p in [*seeded, seeded[0]]],
+        "limited": [dataclasses.replace(p, num_speculative_tokens=1) for p in [greedy, *seeded]],
+    }
+    eager = _engine(model, None, graphs=False)
+    engine = _engine(model, drafter, graphs=True, async_scheduling=async_scheduling, speculation="adaptive")
+    graphs = engine.graphs
+    order = iter([3, 0, B - 1, 1, 0, 0, B - 1] * 1000)
+    engine.speculation.choose = lambda caps, context: next(order)
+    accepted, launched = [], []
+    accept = graphs.accept
+    graphs.accept = lambda bucket, k, sampling, n: accepted.append((k, sampling.all_greedy)) or accept(
+        bucket, k, sampling, n)
+    launch = engine._launch_round
+    engine._launch_round = lambda seqs, previous=None, *rest: launched.append(previous is not None) or launch(
+        seqs, previous, *rest)
+    for name, params in batches.items():
+        accepted.clear(), launched.clear()
+        reference = [s.output_ids for s in eager.generate(prompts, params)]
+        assert [s.output_ids for s in engine.generate(prompts, params)] == reference, name
+        assert any(launched) == async_scheduling
+        ks = {k for k, _ in accepted}
+        if name in ("greedy", "mixed"):  # every round, of every k
+            assert len(accepted) == len(launched) and ks == set(graphs.k_buckets), name
+            assert (name == "greedy") == all(g for _, g in accepted)
+        elif name == "limited":  # the rounds of k <= 1 only
+            assert ks == {0, 1} and 0 < len(accepted) < len(launched)
+        else:
+            assert not accepted, name
+        assert engine.allocator.num_free == engine.allocator.num_blocks
