@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -151,6 +152,7 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
         runner, proposer, allocator, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids, max_model_len=max_len
     )
     if use_graphs:
+        t0 = time.perf_counter()
         engine.graphs = RoundGraphs(
             runner, proposer, block=lookahead, kv_block_size=config.kv_block_size,
             max_blocks=-(-max_positions // config.kv_block_size),
@@ -159,6 +161,8 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
             external_drafts=remote_drafter is not None,
             k_buckets=k_buckets(lookahead, config.num_speculative_tokens_per_batch_size) if draft_cfg else None,
         )
+        log.info("round graphs captured in %.1f s (batch sizes %s, k %s)", time.perf_counter() - t0,
+                 engine.graphs.buckets, engine.graphs.k_buckets)
         most = min(config.prefill_graph_tokens, config.max_prefill_tokens)
         token_buckets = tuple(b for b in TOKEN_BUCKETS if b <= most)
         if token_buckets:
