@@ -38,7 +38,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -338,7 +338,15 @@ class EmbeddedBackend:
 
     def step_timings(self):
         """The engine's phase times so far (`StepTimings`, a copy): a run's are the difference."""
-        return replace(self.engine.timings)
+        return self.engine.timings.copy()
+
+    def policy_estimates(self, n: int) -> dict | None:
+        """The adaptive policy's view of a batch of n (at most the engine's largest) now
+        (`SpeculationPolicy.estimates`); None where no adaptive choice runs."""
+        policy = self.engine.speculation
+        if not policy.adapts or policy.costs is None:
+            return None
+        return policy.estimates(min(n, self.engine.config.max_num_seqs))
 
     def clear_prefix_cache(self) -> None:
         """Forget what earlier runs cached (nothing is running between runs), so that a run finds
@@ -726,7 +734,7 @@ def run_bench(backend, prompt_sets: dict[str, list[Prompt]], loads: Sequence[Loa
                 start = time.perf_counter()
                 records = backend.run(prompts, sampling, load, bar.update)
                 duration = time.perf_counter() - start
-            runs.append(_run_metrics(name, load, len(prompts), records, duration, before, _counters(backend)))
+            runs.append(_run_metrics(name, load, len(prompts), records, duration, before, backend))
     return runs
 
 
@@ -771,7 +779,7 @@ def run_interleaved(backends: dict[str, EmbeddedBackend], prompt_sets: dict[str,
                         slice_tok_s[name].append(summarize(part_records, duration)["output_tok_s"])
             for name, backend in backends.items():
                 run = _run_metrics(set_name, load, len(prompts), records[name], sum(durations[name]), before[name],
-                                   _counters(backend))
+                                   backend)
                 runs.append({"engine": name, **run, "slice_output_tok_s": slice_tok_s[name]})
     return runs
 
@@ -804,13 +812,18 @@ def _counters(backend) -> tuple:
 
 
 def _run_metrics(name: str, load: Load, num_prompts: int, records: list[RequestRecord], duration: float,
-                 before: tuple, after: tuple) -> dict:
+                 before: tuple, backend) -> dict:
+    """A run's report from its records and what the backend's counters moved since `before`; an
+    embedded adaptive engine adds its policy's estimates at the run's end, at its load's batch."""
+    after = _counters(backend)
     server_spec, prefix_cache, timings = (None if b is None else a - b for a, b in zip(after, before, strict=True))
     # vLLM's keys: a closed loop of c clients is its infinite rate with at most c in flight.
     rate = load.request_rate if load.request_rate not in (None, math.inf) else "inf"
+    policy = getattr(backend, "policy_estimates", lambda n: None)(load.concurrency or num_prompts)
     return {"dataset": name, "concurrency": load.concurrency, "request_rate": rate,
             "max_concurrency": load.concurrency, "burstiness": 1.0, "num_prompts": num_prompts,
-            **summarize(records, duration, server_spec, prefix_cache), "engine_ms_per_round": round_times_ms(timings)}
+            **summarize(records, duration, server_spec, prefix_cache), "engine_ms_per_round": round_times_ms(timings),
+            **({"policy": policy} if policy else {})}
 
 
 def round_times_ms(timings) -> dict | None:
@@ -821,7 +834,7 @@ def round_times_ms(timings) -> dict | None:
     if timings is None or not timings.rounds:
         return None
     per_round = {name: 1e3 * getattr(timings, name) / timings.rounds for name in ("host", "draft", "verify", "accept")}
-    return {"rounds": timings.rounds, **per_round}
+    return {"rounds": timings.rounds, **per_round, "rounds_by_k": timings.rounds_by_k}
 
 
 def write_report(out_dir: str | Path, setup: dict, runs: list[dict]) -> list[Path]:

@@ -101,9 +101,17 @@ class StepTimings:
     accept: float = 0.0
     host: float = 0.0
     rounds: int = 0
+    rounds_by_k: dict[int, int] = dataclasses.field(default_factory=dict)  # k verified (0: AR steps) -> rounds
+
+    def copy(self) -> StepTimings:
+        return dataclasses.replace(self, rounds_by_k=dict(self.rounds_by_k))
 
     def __sub__(self, before: StepTimings) -> StepTimings:
-        return StepTimings(*(getattr(self, f.name) - getattr(before, f.name) for f in dataclasses.fields(self)))
+        def minus(now, then):
+            if isinstance(now, dict):
+                return {k: n - then.get(k, 0) for k, n in sorted(now.items()) if n != then.get(k, 0)}
+            return now - then
+        return StepTimings(*(minus(getattr(self, f.name), getattr(before, f.name)) for f in dataclasses.fields(self)))
 
 
 class _PhaseClock:
@@ -918,6 +926,7 @@ class Engine:
         rnd.host_seconds += finish_seconds
         tm.host += finish_seconds
         tm.rounds += 1
+        tm.rounds_by_k[rnd.k] = tm.rounds_by_k.get(rnd.k, 0) + 1
 
     def _flush_context(self) -> None:
         """Inject the context rows that wait (`defer_context`), in the order they came, in one call."""

@@ -521,22 +521,36 @@ class SpeculationPolicy:
                 context: float | None, realized: bool) -> int:
         # Every round chooses, on the host's critical path: per distinct cap, not per sequence, and
         # the batch's share of every k's cost once (`RoundCosts.round_seconds_by_k`).
-        # E[accepted + 1] of v drafts: 1 + a_1 (1 + f · deep[v − 1]), deep[m] the drafts past the
-        # first the tracker expects once the first is accepted (f = 1: `expected_tokens`).
-        first, deep = acceptance[0], [e - 1 for e in expected_tokens(acceptance[1:limit])]
-        factor = self.realized.factor if realized else 1.0
+        tokens = self._round_tokens(acceptance, limit, realized)
         best_k, best_rate = 0, -1.0
         for k, seconds in self.costs.round_seconds_by_k(n, context):
             if k > limit:
                 break
             gain = 0.0
             for cap, m in counts.items():
-                v = min(k, cap)
-                gain += (1 + first * (1 + factor * deep[v - 1]) if v else 1.0) * m
+                gain += tokens[min(k, cap)] * m
             rate = gain / seconds if seconds > 0 else math.inf
             if rate > best_rate * (1 + 1e-9):  # ties go to the smaller k
                 best_k, best_rate = k, rate
         return best_k
+
+    def _round_tokens(self, acceptance: Sequence[float], limit: int, realized: bool) -> list[float]:
+        """E[accepted + 1] of a sequence's round verifying v drafts, for v = 0..limit: 1 + a_1 (1 + f · deep[v − 1]),
+        deep[m] the drafts past the first the tracker expects once the first is accepted, f the
+        realized factor (1 where not `realized`; f = 1 is `expected_tokens`)."""
+        first, factor = acceptance[0], self.realized.factor if realized else 1.0
+        return [1.0] + [1 + first * (1 + factor * (e - 1)) for e in expected_tokens(acceptance[1:limit])]
+
+    def estimates(self, n: int, context: float | None = None) -> dict:
+        """What the adaptive choice weighs for a batch of n unlimited sequences now, for reports
+        (`dflash bench`): per k bucket the round's expected tokens a sequence and its predicted wall
+        ms; the acceptance per draft position; the realized factor on the drafts past the first."""
+        tokens = self._round_tokens(self.tracker.acceptance, self.block_size - 1, realized=True)
+        rounds = self.costs.round_seconds_by_k(n, context)
+        return {"batch": n, "acceptance": [round(a, 4) for a in self.tracker.acceptance],
+                "realized_factor": round(self.realized.factor, 4),
+                "expected_tokens": {k: round(tokens[k], 4) for k, _ in rounds},
+                "round_ms": {k: round(1e3 * seconds, 4) for k, seconds in rounds}}
 
     def observe_round(self, k: int, verified: Sequence[int], accepted: Sequence[int]) -> None:
         """A round of k: the drafts each sequence verified and had accepted. Only the adaptive

@@ -307,6 +307,8 @@ def test_embedded_runs_at_each_concurrency(model_pair):
         timed = run["engine_ms_per_round"]
         assert timed["rounds"] == run["rounds"] if run["concurrency"] == 1 else timed["rounds"] < run["rounds"]
         assert min(timed[k] for k in ("host", "draft", "verify")) > 0
+        assert timed["rounds_by_k"] == {BLOCK - 1: timed["rounds"]}  # fixed: every round verifies B − 1
+        assert "policy" not in run  # no adaptive choice to report
     table = markdown_report({"target": target, "max_tokens": 7, "temperature": 0.0, "warmup": 1}, runs)
     timed = runs[1]["engine_ms_per_round"]
     assert f"| toy | c=4 | {timed['rounds']} | {timed['host']:.3f} | {timed['draft']:.3f} |" in table
@@ -405,6 +407,18 @@ def test_compared_engines_run_every_slice_back_to_back_in_every_order(model_pair
         assert run["completed"] == len(PROMPTS) and run["failed"] == 0
         assert len(run["slice_output_tok_s"]) == (3 if run["concurrency"] == 1 else 2)
         assert run["engine_ms_per_round"]["rounds"] > 0  # its own rounds, the warm-up's left out
+        by_k = run["engine_ms_per_round"]["rounds_by_k"]
+        assert sum(by_k.values()) == run["engine_ms_per_round"]["rounds"]
+        assert set(by_k) <= set(backends[run["engine"]].engine.speculation.ks)
+    assert [r["engine_ms_per_round"]["rounds_by_k"] for r in runs[::3]] == [
+        {0: r["engine_ms_per_round"]["rounds"]} for r in runs[::3]]  # ar: AR steps only
+    for run in runs[2::3]:  # adaptive: the policy's view of the run's batch at its end
+        policy = run["policy"]
+        assert policy["batch"] == run["concurrency"] and len(policy["acceptance"]) == BLOCK - 1
+        ks = set(backends["adaptive"].engine.speculation.ks)
+        assert set(policy["expected_tokens"]) == set(policy["round_ms"]) == ks
+        assert policy["expected_tokens"][0] == 1.0 and min(policy["round_ms"].values()) > 0
+    assert "policy" not in runs[0] and "policy" not in runs[1]
     assert runs[0]["tau"] is None and runs[1]["tau"] >= 1.0  # ar drafts nothing
     for engine in backends.values():
         assert not engine.engine.sequences and engine.engine.allocator.num_free == engine.engine.allocator.num_blocks

@@ -166,6 +166,28 @@ def test_the_policy_picks_the_k_with_the_most_tokens_per_second(n, acceptance):
     assert policy.choose(caps) == _best_k_by_brute_force(costs, acc, caps)
 
 
+@pytest.mark.parametrize("acceptance", [0.95, 0.6, 0.3])
+@pytest.mark.parametrize("n", [1, 8, 32])
+def test_the_estimates_report_what_the_choice_weighs(n, acceptance):
+    costs = _costs(lambda n, k: 1.0 + max(0.0, n * (k + 1) - 64) / 64, draft=lambda n: 0.2 + 0.01 * n)
+    acc = [acceptance * (0.97 ** j) for j in range(B - 1)]
+    policy = _policy(costs, acc)
+    policy.realized.expected, policy.realized.accepted = 10.0, 7.0  # deep drafts returned 0.7 of the expected
+    report = policy.estimates(n)
+    assert report["batch"] == n and report["acceptance"] == pytest.approx(acc, abs=1e-4)
+    assert set(report["expected_tokens"]) == set(report["round_ms"]) == set(costs.ks)
+    factor = policy.realized.factor
+    assert report["realized_factor"] == pytest.approx(factor, abs=1e-4)
+    full = expected_tokens(acc)
+    for k in costs.ks:  # 1 + a_1 (1 + f · the deeper drafts' expectation)
+        deeper = (full[k] - 1 - acc[0]) / acc[0] if k else 0.0
+        assert report["expected_tokens"][k] == pytest.approx((1 + acc[0] * (1 + factor * deeper)) if k else 1.0,
+                                                             abs=1e-4)
+        assert report["round_ms"][k] == pytest.approx(1e3 * costs.round_seconds(n, k), abs=1e-4)
+    best = max(costs.ks, key=lambda k: (report["expected_tokens"][k] / report["round_ms"][k], -k))
+    assert policy.choose([None] * n) == best
+
+
 def test_small_batches_speculate_deep_and_large_batches_decode_ar():
     costs = _costs(lambda n, k: 1.0 + max(0.0, n * (k + 1) - 32) / 32, draft=0.2)
     policy = _policy(costs, [0.8] * (B - 1))
