@@ -819,7 +819,8 @@ def _run_metrics(name: str, load: Load, num_prompts: int, records: list[RequestR
     server_spec, prefix_cache, timings = (None if b is None else a - b for a, b in zip(after, before, strict=True))
     # vLLM's keys: a closed loop of c clients is its infinite rate with at most c in flight.
     rate = load.request_rate if load.request_rate not in (None, math.inf) else "inf"
-    policy = getattr(backend, "policy_estimates", lambda n: None)(load.concurrency or num_prompts)
+    batch = min(load.concurrency or num_prompts, num_prompts)  # the most sequences the run held at once
+    policy = getattr(backend, "policy_estimates", lambda n: None)(batch)
     return {"dataset": name, "concurrency": load.concurrency, "request_rate": rate,
             "max_concurrency": load.concurrency, "burstiness": 1.0, "num_prompts": num_prompts,
             **summarize(records, duration, server_spec, prefix_cache), "engine_ms_per_round": round_times_ms(timings),
