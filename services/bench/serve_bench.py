@@ -814,7 +814,7 @@ def _counters(backend) -> tuple:
 def _run_metrics(name: str, load: Load, num_prompts: int, records: list[RequestRecord], duration: float,
                  before: tuple, backend) -> dict:
     """A run's report from its records and what the backend's counters moved since `before`; an
-    embedded adaptive engine adds its policy's estimates at the run's end, at its load's batch."""
+    embedded adaptive engine adds its policy's estimates at the run's end, at the run's fullest batch."""
     after = _counters(backend)
     server_spec, prefix_cache, timings = (None if b is None else a - b for a, b in zip(after, before, strict=True))
     # vLLM's keys: a closed loop of c clients is its infinite rate with at most c in flight.

@@ -753,7 +753,8 @@ class Engine:
         verified = [k if s.params.num_speculative_tokens is None else min(k, s.params.num_speculative_tokens)
                     for s in seqs]
         # [accepted, the k+1 tokens] for the host; next bonus and start for a round chained on this one
-        results, next_bonus, next_starts = self._accept(inputs, logits, drafts, sampling, verified, k, group is not None)
+        results, next_bonus, next_starts = self._accept(inputs, logits, drafts, sampling, verified, k,
+                                                        group is not None)
         clock.mark()
         ready = None
         if results.is_cuda:  # to the host without waiting for it: `_finish_round` waits
