@@ -161,10 +161,14 @@ class RealizedDrafts:
     policy turned to shallower ks where on the H100 they cost about the same as k = 15 (c = 1,
     T 0, humaneval: τ 3.52 for fixed B's 3.63, 0.977 of its speed). Above 1 it would only follow
     noise; it drifts back towards 1 in rounds of k = 1 (which have no deeper part), so a policy it
-    held to k = 1 tries deeper again.
+    held to k = 1 tries deeper again. The sums are discounted per sequence that had its first draft
+    accepted, not per round: a sequence's deep drafts are few or many (T 1, humaneval on the H200:
+    0–14 past the first), and discounted at 0.05 a round the factor held ~9 sequences at batch 1
+    and read 0.83 ± 0.20 where the tracker was right — 0.01–0.22 at the end of three of the
+    grid's sets at c = 1, T 1, where it took AR steps that fixed B did not need.
     """
 
-    def __init__(self, *, rate: float = 0.05, prior_drafts: float = 8.0, drift: float = 1 / 256):
+    def __init__(self, *, rate: float = 0.01, prior_drafts: float = 8.0, drift: float = 1 / 256):
         if not 0 < rate <= 1 or prior_drafts <= 0 or not 0 <= drift <= 1:
             raise ValueError(f"rate {rate} must be in (0, 1], prior_drafts {prior_drafts} > 0, drift {drift} in [0, 1]")
         self.rate, self.drift = rate, drift
@@ -174,13 +178,14 @@ class RealizedDrafts:
     def factor(self) -> float:
         return min(1.0, self.accepted / self.expected)
 
-    def observe_round(self, k: int, expected: float, accepted: int) -> None:
-        """A round verifying up to k drafts a sequence: of its drafts past the first, where the
-        first was accepted, the tracker expected `expected` (summed over the batch) to be
-        accepted and `accepted` were."""
+    def observe_round(self, k: int, expected: float, accepted: int, sequences: int) -> None:
+        """A round verifying up to k drafts a sequence: of its drafts past the first, in the
+        `sequences` whose first was accepted, the tracker expected `expected` (summed over them)
+        to be accepted and `accepted` were."""
         if k > 1:
-            self.expected = (1 - self.rate) * self.expected + expected
-            self.accepted = (1 - self.rate) * self.accepted + accepted
+            keep = (1 - self.rate) ** sequences
+            self.expected = keep * self.expected + expected
+            self.accepted = keep * self.accepted + accepted
         elif k == 1:
             self.accepted += self.drift * (self.expected - self.accepted)
 
@@ -430,20 +435,22 @@ def monotone(values: Sequence[float]) -> list[float]:
 class SpeculationPolicy:
     """Chooses each round's k (see the module doc).
 
-    Exploration: after `probe_interval` AR rounds in a row, PROBE_ROUNDS rounds verify the
-    smallest k > 0 — a cheap measurement of the first draft's acceptance, which gates every
-    deeper one, and of a speculative round's wall time — but only where speculating would pay at
-    the prior acceptance (else no acceptance could make it pay, and there is nothing to learn).
-    A policy that chose AR under a bad spell, or after slow rounds, thus returns to speculating
-    when acceptance or the host recovers. Where a probe's round costs much more than an AR step
-    the interval is longer, so that probes add at most PROBE_BUDGET to the AR steps' time: on an
-    AVX2-only CPU, by its start-up costs, a round of k = 1 takes 1.65–1.76 × an AR step at batch
-    1–16, and a probe every 64 AR steps cost 2–2.4 % of a run that decoded AR; on the H100 (the
-    default pair, host-bound rounds) it takes 1.2–1.3 × one at batch 1–8, and the interval stays 64.
-    What a probe costs is what rounds of its k took, once measured, not the cost model's estimate:
-    that has one wall factor for every k > 0, learnt mostly from the deeper rounds, and on the CPU
-    at batch 8 (T 1, alpaca) it read a probe's round as ~1.4 AR steps where probes took 1.5–2.4, and
-    probes cost twice their budget.
+    Exploration: after `probe_interval` AR rounds in a row, PROBE_ROUNDS rounds verify the k the
+    prior acceptance would choose — a measurement of every position that k would rely on, of the
+    realized factor, and of a speculative round's wall time — but only where speculating would pay
+    at the prior (else no acceptance could make it pay, and there is nothing to learn). A policy
+    that chose AR under a bad spell, or after slow rounds, thus returns to speculating when
+    acceptance or the host recovers. Probes of k = 1 measured only the first draft: on CPU at
+    c = 1, T 0, after gsm8k's hard prompts, mbpp ran 917 AR steps, 10 rounds of k = 1 and 24 of
+    k = 15 where its own estimates, once measured, put k = 15 at 1.6 × AR's speed (the deep
+    positions and the realized factor move only in rounds that verify them). Where a probe's round
+    costs much more than an AR step the interval is longer, so that probes add at most
+    PROBE_BUDGET to the AR steps' time: on an AVX2-only CPU, by its start-up costs, a round of
+    k = 1 takes 1.65–1.76 × an AR step at batch 1–16, and a probe every 64 AR steps cost 2–2.4 % of
+    a run that decoded AR. What a probe costs is what rounds of its k took, once measured, not the
+    cost model's estimate: that has one wall factor for every k > 0, learnt mostly from the deeper
+    rounds, and on the CPU at batch 8 (T 1, alpaca) it read a probe's round of k = 1 as ~1.4 AR
+    steps where probes took 1.5–2.4, and probes cost twice their budget.
     """
 
     def __init__(self, config: EngineConfig, block_size: int, costs: RoundCosts | None = None,
@@ -459,9 +466,11 @@ class SpeculationPolicy:
         self.realized = RealizedDrafts()
         self.probe_interval = probe_interval
         self._ar_rounds = 0  # AR rounds chosen in a row by the adaptive policy
-        self._probe_k = next((b for b in self.ks if b > 0), 0)  # the smallest k > 0
+        self._prior = [self.tracker.prior] * len(self.tracker.acceptance)
+        self._probe_k = 0  # the last probe's k
+        self._prior_choice: tuple[tuple[int, int] | None, int] = (None, 0)  # (batch size, limit): k at the prior
         self._probe_rounds_left = 0
-        self._probe_cost: dict[int, float] = {}  # nearest measured batch size -> a round of the probe's k, in AR steps
+        self._probe_cost: dict[tuple[int, int], float] = {}  # (nearest measured batch size, k) -> a round, in AR steps
 
     def needs_costs(self) -> bool:
         """Whether some batch size is left to the adaptive policy (the table does not cover all)."""
@@ -485,34 +494,38 @@ class SpeculationPolicy:
             return self._bucket_at_most(limit)
         if self.costs is None:
             raise RuntimeError("adaptive speculation has no round costs: call Engine.measure_round_costs() first")
-        if self._probe_rounds_left:  # the probe's k is ≤ limit: limit ≥ 1 here
+        if self._probe_rounds_left:  # the batch may have changed: at most its limit
             self._probe_rounds_left -= 1
-            return self._probe_k
+            return self._bucket_at_most(min(self._probe_k, limit))
         k = self._best_k(n, counts, limit, self.tracker.acceptance, context, realized=True)
         if k:
-            self._ar_rounds = 0
+            self._ar_rounds, self._prior_choice = 0, (None, 0)
             return k
         self._ar_rounds += 1
-        prior = [self.tracker.prior] * top if self._ar_rounds >= self.probe_interval else None  # could it pay at all
-        if (prior and self._ar_rounds >= self.rounds_between_probes(n, context)
-                and self._best_k(n, counts, limit, prior, context, realized=False)):
-            self._ar_rounds, self._probe_rounds_left = 0, PROBE_ROUNDS - 1
-            return self._probe_k
+        if self._ar_rounds < self.probe_interval:
+            return 0
+        if self._prior_choice[0] != (n, limit):  # once per run of AR rounds and batch: each round's cost 5–7 µs
+            self._prior_choice = (n, limit), self._best_k(n, counts, limit, self._prior, context, realized=False)
+        k = self._prior_choice[1]  # could speculating pay at all, and at which k
+        if k and self._ar_rounds >= self.rounds_between_probes(n, k, context):
+            self._probe_k, self._ar_rounds, self._probe_rounds_left = k, 0, PROBE_ROUNDS - 1
+            self._prior_choice = None, 0
+            return k
         return 0
 
-    def rounds_between_probes(self, n: int, context: float | None = None) -> int:
-        """AR rounds in a row before a probe at batch n: `probe_interval`, or as many as keep the
-        probe's extra time over AR steps within PROBE_BUDGET of theirs."""
+    def rounds_between_probes(self, n: int, k: int, context: float | None = None) -> int:
+        """AR rounds in a row before a probe of k at batch n: `probe_interval`, or as many as keep
+        the probe's extra time over AR steps within PROBE_BUDGET of theirs."""
         ar = self.costs.round_seconds(n, 0, context)
         if ar <= 0:
             return self.probe_interval
-        extra = PROBE_ROUNDS * (self._probe_seconds(n, ar, context) - ar)
+        extra = PROBE_ROUNDS * (self._probe_seconds(n, k, ar, context) - ar)
         return max(self.probe_interval, math.ceil(extra / (PROBE_BUDGET * ar) - 1e-9))
 
-    def _probe_seconds(self, n: int, ar: float, context: float | None) -> float:
+    def _probe_seconds(self, n: int, k: int, ar: float, context: float | None) -> float:
         """A probe round's seconds at batch n, given an AR step's (`ar`): as rounds of its k took, else the estimate."""
-        measured = self._probe_cost.get(self.costs.nearest(n))
-        return measured * ar if measured is not None else self.costs.round_seconds(n, self._probe_k, context)
+        measured = self._probe_cost.get((self.costs.nearest(n), k))
+        return measured * ar if measured is not None else self.costs.round_seconds(n, k, context)
 
     def _bucket_at_most(self, k: int) -> int:
         return max(b for b in self.ks if b <= k)
@@ -561,7 +574,8 @@ class SpeculationPolicy:
         deep = expected_tokens(self.tracker.acceptance[1:])
         past_first = [(v, a, count) for (v, a), count in rounds.items() if v > 1 and a]
         expected = sum(count * (deep[v - 1] - 1) for v, _, count in past_first)
-        self.realized.observe_round(k, expected, sum(count * (a - 1) for _, a, count in past_first))
+        self.realized.observe_round(k, expected, sum(count * (a - 1) for _, a, count in past_first),
+                                    sum(count for _, _, count in past_first))
         self.tracker.observe_counts(rounds)
 
     def observe_round_time(self, n: int, k: int, seconds: float, context: float | None = None,
@@ -570,12 +584,12 @@ class SpeculationPolicy:
         own seconds for it where rounds chain (see `RoundCosts`)."""
         if self.costs is None or not self.adapts:
             return
-        if k == self._probe_k and seconds > 0:
+        if k and k == self._probe_k and seconds > 0:
             ar = self.costs.round_seconds(n, 0, context)
             if ar > 0:
                 # In AR steps, from the estimate, and one slow round counts for at most OUTLIER_FACTOR
                 # times the current value: a collection must not hold off the probes for thousands of rounds.
-                at = self.costs.nearest(n)
-                old = self._probe_cost.get(at, self._probe_seconds(n, ar, context) / ar)
+                at = (self.costs.nearest(n), k)
+                old = self._probe_cost.get(at, self._probe_seconds(n, k, ar, context) / ar)
                 self._probe_cost[at] = old + PROBE_COST_RATE * (min(seconds / ar, OUTLIER_FACTOR * old) - old)
         self.costs.observe_round(n, k, seconds, context, host_seconds)
