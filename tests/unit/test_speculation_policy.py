@@ -423,8 +423,13 @@ def test_probes_are_spaced_by_what_rounds_of_their_k_took():
     assert ar_runs[0] == 63 and min(ar_runs[3:-1]) >= 250  # the probe is the 64th choice
     later = chosen[2000:]
     assert later.count(15) * (2.4 - 1.0) <= PROBE_BUDGET * later.count(0) * 1.05
+    measured = policy.rounds_between_probes(8, 15)
+    policy.observe_round_time(8, 15, 100.0)  # outside a probe: the probe's cost is what probes took
+    assert policy.rounds_between_probes(8, 15) == measured
+    while policy.choose([None] * 8) != 15:
+        pass
     policy.observe_round_time(8, 15, 100.0)  # a probe round stalled by a collection
-    assert policy.rounds_between_probes(8, 15) <= math.ceil(PROBE_ROUNDS * (2 * 2.4 - 1.0) / PROBE_BUDGET)
+    assert measured < policy.rounds_between_probes(8, 15) <= math.ceil(PROBE_ROUNDS * (2 * 2.4 - 1.0) / PROBE_BUDGET)
 
 
 def test_probes_verify_the_k_the_prior_would_choose_at_the_batchs_size_and_caps():
