@@ -36,7 +36,7 @@ from dflash_serve.services.config import EngineConfig
 BASE_K_BUCKETS = (0, 1, 3, 7)
 PROBE_ROUNDS = 2  # a probe's rounds in a row: a round's wall time holds the next one's launch, of the same k
 PROBE_BUDGET = 0.01  # probes' extra time, at most this share of the AR steps' between them
-PROBE_COST_RATE = 0.5  # probes are rare: each round of the probe's k moves its measured cost this far
+PROBE_COST_RATE = 0.5  # probes are rare: each of their rounds moves their measured cost this far
 OUTLIER_FACTOR = 2.0  # a round's wall time counts as at most this many times the current estimate
 
 
@@ -447,7 +447,7 @@ class SpeculationPolicy:
     costs much more than an AR step the interval is longer, so that probes add at most
     PROBE_BUDGET to the AR steps' time: on an AVX2-only CPU, by its start-up costs, a round of
     k = 1 takes 1.65–1.76 × an AR step at batch 1–16, and a probe every 64 AR steps cost 2–2.4 % of
-    a run that decoded AR. What a probe costs is what rounds of its k took, once measured, not the
+    a run that decoded AR. What a probe costs is what probes of its k took, once measured, not the
     cost model's estimate: that has one wall factor for every k > 0, learnt mostly from the deeper
     rounds, and on the CPU at batch 8 (T 1, alpaca) it read a probe's round of k = 1 as ~1.4 AR
     steps where probes took 1.5–2.4, and probes cost twice their budget.
@@ -525,7 +525,7 @@ class SpeculationPolicy:
         return max(self.probe_interval, math.ceil(extra / (PROBE_BUDGET * ar) - 1e-9))
 
     def _probe_seconds(self, n: int, k: int, ar: float, context: float | None) -> float:
-        """A probe round's seconds at batch n, given an AR step's (`ar`): as rounds of its k took, else the estimate."""
+        """A probe round's seconds at batch n, given an AR step's (`ar`): as probes of k took, else the estimate."""
         measured = self._probe_cost.get((self.costs.nearest(n), k))
         return measured * ar if measured is not None else self.costs.round_seconds(n, k, context)
 
