@@ -574,10 +574,13 @@ class SpeculationPolicy:
             return
         rounds = Counter(zip(verified, accepted, strict=True))
         deep = expected_tokens(self.tracker.acceptance[1:])
-        past_first = [(v, a, count) for (v, a), count in rounds.items() if v > 1 and a]
-        expected = sum(count * (deep[v - 1] - 1) for v, _, count in past_first)
-        self.realized.observe_round(k, expected, sum(count * (a - 1) for _, a, count in past_first),
-                                    sum(count for _, _, count in past_first))
+        expected, accepted, sequences = 0.0, 0, 0  # drafts past the first, in the sequences whose first was accepted
+        for (v, a), count in rounds.items():
+            if v > 1 and a:
+                expected += count * (deep[v - 1] - 1)
+                accepted += count * (a - 1)
+                sequences += count
+        self.realized.observe_round(k, expected, accepted, sequences)
         self.tracker.observe_counts(rounds)
 
     def observe_round_time(self, n: int, k: int, seconds: float, context: float | None = None,
