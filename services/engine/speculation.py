@@ -35,7 +35,7 @@ from dflash_serve.services.config import EngineConfig
 
 BASE_K_BUCKETS = (0, 1, 3, 7)
 PROBE_ROUNDS = 2  # a probe's rounds in a row: a round's wall time holds the next one's launch, of the same k
-PROBE_BUDGET = 0.01  # probes' extra time, at most this share of the AR steps' between them
+PROBE_BUDGET = 0.01  # what probes are expected to lose against AR, at most this share of the AR steps' time
 PROBE_COST_RATE = 0.5  # probes are rare: each of their rounds moves their measured cost this far
 OUTLIER_FACTOR = 2.0  # a round's wall time counts as at most this many times the current estimate
 
@@ -78,9 +78,13 @@ class AcceptanceTracker:
     verified drafts, the positions beyond what it verified drift back towards the prior, so a
     deeper k is tried again once the shallower positions accept well (their estimates may be
     stale from another load or other requests). AR rounds change nothing: the policy probes.
+
+    The rate, 0.005, averages ~400 trials: at rate 0.02 (~100) the first draft's estimate at
+    batch 1 wandered ±0.043 around a true 0.24 (T 1 alpaca on the H200), where a k = 15 round
+    breaks even at ~0.20, and spent a fifth of its trials under it (BENCHMARKS' model).
     """
 
-    def __init__(self, num_positions: int, *, prior: float = 0.9, rate: float = 0.02, drift: float = 1 / 256,
+    def __init__(self, num_positions: int, *, prior: float = 0.9, rate: float = 0.005, drift: float = 1 / 256,
                  prior_trials: int = 4):
         if not 0 < prior <= 1 or not 0 < rate <= 1 or not 0 <= drift <= 1 or prior_trials < 0:
             raise ValueError(f"prior {prior} and rate {rate} must be in (0, 1], drift {drift} in [0, 1], "
@@ -443,18 +447,27 @@ class SpeculationPolicy:
     acceptance or the host recovers. Probes of k = 1 measured only the first draft: on CPU at
     c = 1, T 0, after gsm8k's hard prompts, mbpp ran 917 AR steps, 10 rounds of k = 1 and 24 of
     k = 15 where its own estimates, once measured, put k = 15 at 1.6 × AR's speed (the deep
-    positions and the realized factor move only in rounds that verify them). Where a probe's round
-    costs much more than an AR step the interval is longer, so that probes add at most
-    PROBE_BUDGET to the AR steps' time: on an AVX2-only CPU, by its start-up costs, a round of
-    k = 1 takes 1.65–1.76 × an AR step at batch 1–16, and a probe every 64 AR steps cost 2–2.4 % of
-    a run that decoded AR. What a probe costs is what probes of its k took, once measured, not the
+    positions and the realized factor move only in rounds that verify them).
+
+    The interval keeps what probes are expected to lose against AR steps — their time less the
+    tokens the current estimates expect of them, in AR steps — within PROBE_BUDGET of the AR
+    steps' time. Where the estimates say speculating nearly pays, a probe costs little and comes
+    after `probe_interval` AR rounds; where nothing is accepted it loses its whole extra time, and
+    comes as rarely as that allows (on an AVX2-only CPU a round of k = 1 takes 1.65–1.76 × an AR
+    step, and a probe every 64 AR steps cost 2–2.4 % of a run that decoded AR). A budget on the
+    extra time alone spaced probes as widely near the break-even as far from it: at batch 1 the
+    first draft's estimate, once under the break-even by the noise of its trials, then moved by
+    the probes' two trials per 64 AR steps only, and stayed there for thousands of rounds (T 1,
+    alpaca, c = 1 on the H200: 0.978 × fixed B; BENCHMARKS' model of the policy: 0.94–0.97, and
+    0.83 × the better of fixed B and AR on mbpp after gsm8k at the CPU's costs, 1 % of its rounds
+    speculative). What a probe costs is what probes of its k took, once measured, not the
     cost model's estimate: that has one wall factor for every k > 0, learnt mostly from the deeper
     rounds, and on the CPU at batch 8 (T 1, alpaca) it read a probe's round of k = 1 as ~1.4 AR
     steps where probes took 1.5–2.4, and probes cost twice their budget.
     """
 
     def __init__(self, config: EngineConfig, block_size: int, costs: RoundCosts | None = None,
-                 tracker: AcceptanceTracker | None = None, *, probe_interval: int = 64):
+                 tracker: AcceptanceTracker | None = None, *, probe_interval: int = 8):
         self.mode = config.speculation
         # Only the adaptive choice reads what rounds teach (acceptance, round times, the batch's context).
         self.adapts = self.mode == "adaptive"
@@ -469,7 +482,8 @@ class SpeculationPolicy:
         self._prior = [self.tracker.prior] * len(self.tracker.acceptance)
         self._probe_k = 0  # the last probe's k
         self._probe_rounds_unseen = 0  # of its rounds, those whose wall time is still to come
-        self._prior_choice: tuple[tuple[int, int] | None, int] = (None, 0)  # (batch size, limit): k at the prior
+        # (batch size, limit), the k the prior would choose there, and the AR rounds before its probe
+        self._prior_choice: tuple[tuple[int, int] | None, int, int] = (None, 0, 0)
         self._probe_rounds_left = 0
         self._probe_cost: dict[tuple[int, int], float] = {}  # (nearest measured batch size, k) -> a round, in AR steps
 
@@ -500,29 +514,34 @@ class SpeculationPolicy:
             return self._bucket_at_most(min(self._probe_k, limit))
         k = self._best_k(n, counts, limit, self.tracker.acceptance, context, realized=True)
         if k:
-            self._ar_rounds, self._prior_choice = 0, (None, 0)
+            self._ar_rounds, self._prior_choice = 0, (None, 0, 0)
             return k
         self._ar_rounds += 1
         if self._ar_rounds < self.probe_interval:
             return 0
         if self._prior_choice[0] != (n, limit):  # once per run of AR rounds and batch: each round's cost 5–7 µs
-            self._prior_choice = (n, limit), self._best_k(n, counts, limit, self._prior, context, realized=False)
-        k = self._prior_choice[1]  # could speculating pay at all, and at which k
-        if k and self._ar_rounds >= self.rounds_between_probes(n, k, context):
+            k = self._best_k(n, counts, limit, self._prior, context, realized=False)  # could speculating pay at all
+            self._prior_choice = (n, limit), k, self.rounds_between_probes(n, k, context, counts) if k else 0
+        _, k, interval = self._prior_choice
+        if k and self._ar_rounds >= interval:
             self._probe_k, self._ar_rounds, self._probe_rounds_left = k, 0, PROBE_ROUNDS - 1
             self._probe_rounds_unseen = PROBE_ROUNDS
-            self._prior_choice = None, 0
+            self._prior_choice = None, 0, 0
             return k
         return 0
 
-    def rounds_between_probes(self, n: int, k: int, context: float | None = None) -> int:
-        """AR rounds in a row before a probe of k at batch n: `probe_interval`, or as many as keep
-        the probe's extra time over AR steps within PROBE_BUDGET of theirs."""
+    def rounds_between_probes(self, n: int, k: int, context: float | None = None,
+                              counts: dict[int, int] | None = None) -> int:
+        """AR rounds in a row before a probe of k at batch n, whose caps are `counts` ({cap: sequences};
+        None: none capped): `probe_interval`, or as many as keep what the probe is expected to lose
+        against AR steps, at the current estimates, within PROBE_BUDGET of their time."""
         ar = self.costs.round_seconds(n, 0, context)
         if ar <= 0:
             return self.probe_interval
-        extra = PROBE_ROUNDS * (self._probe_seconds(n, k, ar, context) - ar)
-        return max(self.probe_interval, math.ceil(extra / (PROBE_BUDGET * ar) - 1e-9))
+        tokens = self._round_tokens(self.tracker.acceptance, k, realized=True)
+        gain = sum(tokens[min(k, cap)] * m for cap, m in (counts or {k: n}).items()) / n
+        lost = PROBE_ROUNDS * (self._probe_seconds(n, k, ar, context) / ar - gain)  # in AR steps
+        return max(self.probe_interval, math.ceil(lost / PROBE_BUDGET - 1e-9))
 
     def _probe_seconds(self, n: int, k: int, ar: float, context: float | None) -> float:
         """A probe round's seconds at batch n, given an AR step's (`ar`): as probes of k took, else the estimate."""
