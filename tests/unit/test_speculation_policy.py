@@ -479,6 +479,30 @@ def test_a_probe_of_every_draft_returns_the_policy_to_speculating_after_a_hard_s
     assert chosen[:first_probe] == [0] * first_probe and set(chosen[first_probe:]) == {15}
 
 
+def test_a_first_draft_estimate_under_the_break_even_is_probed_back_soon():
+    """T 1 alpaca at c = 1 on the H200: a k = 15 round (1.167 ms) pays over an AR step (0.959) once
+    the first draft is accepted in more than ~0.20 of rounds, and fixed B's were in 0.238. An estimate
+    that the noise of its trials took to 0.14 is probed after 8 AR steps — each of its rounds is expected
+    to lose ~0.03 AR steps — and the policy speculates in every round from round 500 on. Probes spaced
+    by their extra time came every 64 AR steps, and 126 of those 1,000 rounds were AR steps."""
+    ms = {0: 0.959, 1: 1.14, 3: 1.1498, 7: 1.1673, 15: 1.1673}  # the policy's costs at the end of that run
+    policy = SpeculationPolicy(EngineConfig(target="t"), B, RoundCosts([1], {k: [v] for k, v in ms.items()}, [0.0]))
+    policy.tracker.acceptance = [0.14, 0.21, 0.29, 0.4, 0.5] + [0.0] * (B - 6)  # fixed B: 0.238, then as here
+    policy.tracker.trials = [10_000] * (B - 1)
+    policy.realized.expected = policy.realized.accepted = 20.0
+    assert policy.choose([None]) == 0 and policy.rounds_between_probes(1, 15) == policy.probe_interval == 8
+    accepted_at = [245, 51, 15, 6, 3]  # fixed B's rounds (of 1,028) that accepted draft j
+    rng = random.Random(0)
+    chosen = []
+    for _ in range(1500):
+        k = policy.choose([None])
+        u = rng.random() * 1028
+        policy.observe_round(k, [k], [min(k, sum(u < g for g in accepted_at))])
+        policy.observe_round_time(1, k, ms[k])
+        chosen.append(k)
+    assert 0 not in chosen[500:]
+
+
 def test_no_probes_where_no_acceptance_could_make_speculation_pay():
     costs = _costs(lambda n, k: 1.0 + n * k, draft=5.0)  # drafting costs 5 AR steps
     policy = _policy(costs)
