@@ -102,9 +102,24 @@ class StepTimings:
     host: float = 0.0
     rounds: int = 0
     rounds_by_k: dict[int, int] = dataclasses.field(default_factory=dict)  # k verified (0: AR steps) -> rounds
+    # By k, the rounds read in the step loop and their periods, summed (`Engine._observe_round_time`: what each added to
+    # the loop, batch changes and prefills included); and of those, the ones the policy observed. Where the two
+    # means of a k differ, the policy prices that k by rounds unlike the rest.
+    period_rounds_by_k: dict[int, int] = dataclasses.field(default_factory=dict)
+    period_by_k: dict[int, float] = dataclasses.field(default_factory=dict)
+    observed_rounds_by_k: dict[int, int] = dataclasses.field(default_factory=dict)
+    observed_period_by_k: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def copy(self) -> StepTimings:
-        return dataclasses.replace(self, rounds_by_k=dict(self.rounds_by_k))
+        return dataclasses.replace(self, **{f.name: dict(getattr(self, f.name)) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), dict)})
+
+    def add_period(self, k: int, seconds: float, observed: bool) -> None:
+        self.period_rounds_by_k[k] = self.period_rounds_by_k.get(k, 0) + 1
+        self.period_by_k[k] = self.period_by_k.get(k, 0.0) + seconds
+        if observed:
+            self.observed_rounds_by_k[k] = self.observed_rounds_by_k.get(k, 0) + 1
+            self.observed_period_by_k[k] = self.observed_period_by_k.get(k, 0.0) + seconds
 
     def __sub__(self, before: StepTimings) -> StepTimings:
         def minus(now, then):
@@ -429,12 +444,15 @@ class Engine:
         sequences' mean position now, a round's commit past where it ran: a few positions of
         hundreds. For a round launched while the one before it ran, the host's own time for it goes
         too: the device runs one round while the host finishes the last and launches the next, so
-        such a round takes at least that (`RoundCosts`)."""
+        such a round takes at least that (`RoundCosts`). Every round's period goes into the timings
+        (`StepTimings.add_period`), observed or not, for the benchmarks."""
         now = time.perf_counter()
         start = rnd.launched_at if self._last_read_at is None else max(rnd.launched_at, self._last_read_at)
         self._last_read_at = now
-        if (rnd.timed and rnd.proposer is not None and self.speculation.adapts
-                and (launched_next is None or launched_next.k == rnd.k)):
+        observed = (rnd.timed and rnd.proposer is not None and self.speculation.adapts
+                    and (launched_next is None or launched_next.k == rnd.k))
+        self.timings.add_period(rnd.k, now - start, observed)
+        if observed:
             host = rnd.host_seconds if rnd.chained else 0.0
             self.speculation.observe_round_time(len(rnd.seqs), rnd.k, now - start, mean_position(rnd.seqs), host)
 

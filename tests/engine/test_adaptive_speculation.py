@@ -271,6 +271,12 @@ def test_round_wall_times_leave_out_prefills_and_launches_of_another_k(pair, cha
     engine.generate([[1, 2, 3], [7, 9, 11]], [SamplingParams(temperature=0.0, max_tokens=m) for m in (4, 14)])
     assert observed and all(seconds < 1000 for _, _, seconds in observed)
     assert (1, 3, 1.0) in observed  # the second request's rounds once the first ended
+    # The timings sum every round's period by k (the table's 3), and apart those the policy observed.
+    tm = engine.timings
+    assert set(tm.period_by_k) == {3} and tm.observed_rounds_by_k == {3: len(observed)}
+    assert tm.observed_period_by_k[3] == pytest.approx(sum(seconds for _, _, seconds in observed))
+    # Chained, a round in flight when the first request ended is not observed; synced, every round is.
+    assert (tm.period_rounds_by_k[3] > len(observed)) == chain_rounds
     if chain_rounds:  # 2 s: the first round, launched alone, holds its own launch and the next one's
         assert {seconds for _, _, seconds in observed} <= {0.0, 1.0, 2.0}
     else:
@@ -284,6 +290,9 @@ def test_round_wall_times_leave_out_prefills_and_launches_of_another_k(pair, cha
     if chain_rounds:  # the round chained on that one is not observed: the host read that one late
         after = [b for a, b in zip(launched, launched[1:]) if a.behind_prefill]
         assert after and not any(r.timed for r in after)
+    # A round read after a prefill holds the prefill's time in its period (never in an observed one).
+    periods, seen = engine.timings.period_by_k[3], engine.timings.observed_period_by_k[3]
+    assert seen < 1000 and (periods > 1000 if chain_rounds else periods < 1000)
 
     engine, observed = engine_on_the_clock()
     engine.generate([[1, 2, 3]], [SamplingParams(temperature=0.0, max_tokens=5)])
