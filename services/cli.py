@@ -363,6 +363,8 @@ def _compared_engines(args: argparse.Namespace, engine_flags: dict) -> list[str]
     if args.compare is None:
         if args.slices is not None:
             raise ValueError("--slices cuts the runs of a comparison: give --compare too, or leave --slices out")
+        if args.passes != 1:
+            raise ValueError("--passes repeats a comparison: give --compare too, or leave --passes out")
         return []
     names = args.compare.split(",")
     unknown = [n for n in names if n not in COMPARED_ENGINES]
@@ -375,6 +377,8 @@ def _compared_engines(args: argparse.Namespace, engine_flags: dict) -> list[str]
         raise ValueError("--compare sets each engine's --speculation: leave --speculation out")
     if args.slices is not None and args.slices < 1:
         raise ValueError("--slices must be positive")
+    if args.passes < 1:
+        raise ValueError("--passes must be positive")
     return names
 
 
@@ -491,8 +495,9 @@ def _bench(args: argparse.Namespace) -> int:
                              ignore_eos=args.ignore_eos)
     if compared:
         slices = args.slices or default_slices(len(compared))
-        runs = run_interleaved(backends, prompt_sets, loads, sampling, warmup=args.warmup, slices=slices)
-        setup.update(engines={name: b.describe() for name, b in backends.items()}, slices=slices)
+        runs = run_interleaved(backends, prompt_sets, loads, sampling, warmup=args.warmup, slices=slices,
+                               passes=args.passes)
+        setup.update(engines={name: b.describe() for name, b in backends.items()}, slices=slices, passes=args.passes)
     else:
         runs = run_bench(backend, prompt_sets, loads, sampling, warmup=args.warmup)
     setup.update(datasets=list(prompt_sets), num_prompts=args.num_prompts,
@@ -644,6 +649,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--slices", type=int, help="--compare: slices per run (default: 4 for two engines, 6 for "
                                                    "three — a multiple of the engines' orders balances them; fewer "
                                                    "where a slice would hold fewer prompts than the concurrency)")
+    bench.add_argument("--passes", type=int, default=1, help="--compare: run everything this many times on the same "
+                                                              "engines, each pass with other seeds; their policies "
+                                                              "carry what they learnt, as a long-running server's do")
     bench.add_argument("--out", default="bench-results", help="folder for results.json, results.md, results.png")
     bench.set_defaults(run=_bench)
 

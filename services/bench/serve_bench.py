@@ -38,7 +38,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -738,9 +738,13 @@ def run_bench(backend, prompt_sets: dict[str, list[Prompt]], loads: Sequence[Loa
     return runs
 
 
+# Pass p's request i gets seed + p * PASS_SEED_STRIDE + i: no two passes share a seed below a million prompts.
+PASS_SEED_STRIDE = 1_000_000
+
+
 def run_interleaved(backends: dict[str, EmbeddedBackend], prompt_sets: dict[str, list[Prompt]],
                     loads: Sequence[Load], sampling: BenchSampling, warmup: int = 1, slices: int | None = None,
-                    show_progress: bool = True) -> list[dict]:
+                    show_progress: bool = True, passes: int = 1) -> list[dict]:
     """Engines compared in one process (`dflash bench --compare`): each (load, prompt set)'s prompts
     are cut into `slices` consecutive slices (None: `default_slices`; fewer where a slice would hold
     fewer prompts than the load's concurrency), and every slice runs on each engine back to back,
@@ -749,12 +753,31 @@ def run_interleaved(backends: dict[str, EmbeddedBackend], prompt_sets: dict[str,
     from one 20-second run to the next) then slows every engine alike, where separate processes
     minutes apart cannot resolve a few per cent. Per engine, one run's metrics over all its slices
     (output tok/s: its tokens over its slices' summed durations; its prefix cache is emptied once,
-    after the warm-up, as `run_bench` does), with `engine` and each slice's `slice_output_tok_s`."""
-    from tqdm import tqdm
-
+    after the warm-up, as `run_bench` does), with `engine` and each slice's `slice_output_tok_s`.
+    With `passes` > 1 all of it runs that many times on the same engines, whose policies carry what
+    they learnt from pass to pass as a server's do, each pass with other seeds; each run has its
+    `pass` (1, 2, …)."""
     names = list(backends)
     orders = slice_orders(names)
     slices = slices or default_slices(len(names))
+    runs = []
+    for pass_index in range(1, passes + 1):
+        pass_sampling = sampling if sampling.seed is None else replace(
+            sampling, seed=sampling.seed + PASS_SEED_STRIDE * (pass_index - 1))
+        tag = f"pass {pass_index}/{passes} " if passes > 1 else ""
+        pass_runs = _interleaved_pass(backends, prompt_sets, loads, pass_sampling, warmup, orders, slices,
+                                      show_progress, tag)
+        runs += [{**run, "pass": pass_index} for run in pass_runs] if passes > 1 else pass_runs
+    return runs
+
+
+def _interleaved_pass(backends: dict[str, EmbeddedBackend], prompt_sets: dict[str, list[Prompt]],
+                      loads: Sequence[Load], sampling: BenchSampling, warmup: int, orders: list[tuple[str, ...]],
+                      slices: int, show_progress: bool, tag: str) -> list[dict]:
+    """One pass of `run_interleaved` over every load and prompt set (`tag` heads its progress bars)."""
+    from tqdm import tqdm
+
+    names = list(backends)
     runs = []
     for load in loads:
         for set_name, prompts in prompt_sets.items():
@@ -767,7 +790,7 @@ def run_interleaved(backends: dict[str, EmbeddedBackend], prompt_sets: dict[str,
             records: dict[str, list[RequestRecord]] = {name: [] for name in names}
             durations: dict[str, list[float]] = {name: [] for name in names}
             slice_tok_s: dict[str, list[float]] = {name: [] for name in names}
-            with tqdm(total=len(prompts) * len(names), desc=f"{set_name} {load.describe()}", unit="req",
+            with tqdm(total=len(prompts) * len(names), desc=f"{tag}{set_name} {load.describe()}", unit="req",
                       disable=not show_progress) as bar:
                 for j, part in enumerate(parts):
                     for name in orders[j % len(orders)]:
@@ -867,8 +890,15 @@ def load_label(run: dict) -> str:
 
 
 def run_label(run: dict) -> str:
-    """The prompt set, and the engine where `--compare` ran several."""
-    return f"{run['dataset']} ({run['engine']})" if "engine" in run else run["dataset"]
+    """The prompt set, and the engine where `--compare` ran several (and the pass, where it ran several)."""
+    if "engine" not in run:
+        return run["dataset"]
+    return f"{set_label(run)} ({run['engine']})"
+
+
+def set_label(run: dict) -> str:
+    """The prompt set, and the pass where `--compare --passes` ran several."""
+    return f"{run['dataset']}, pass {run['pass']}" if "pass" in run else run["dataset"]
 
 
 def comparison_lines(runs: list[dict]) -> list[str]:
@@ -883,8 +913,8 @@ def comparison_lines(runs: list[dict]) -> list[str]:
              "", "| dataset | load | " + " | ".join(f"{e} tok/s" for e in engines) + " | "
              + " | ".join(f"{e} / {first} | by slice" for e in others) + " |",
              "|---|---|" + "---:|" * len(engines) + "---:|---|" * len(others)]
-    cells = {(r["dataset"], load_label(r), r["engine"]): r for r in runs}
-    for dataset, load in dict.fromkeys((r["dataset"], load_label(r)) for r in runs):
+    cells = {(set_label(r), load_label(r), r["engine"]): r for r in runs}
+    for dataset, load in dict.fromkeys((set_label(r), load_label(r)) for r in runs):
         base = cells[dataset, load, first]
         row = [f"{cells[dataset, load, e]['output_tok_s']:.1f}" for e in engines]
         for e in others:
@@ -904,7 +934,8 @@ def markdown_report(setup: dict, runs: list[dict]) -> str:
         "",
         f"target `{setup.get('target')}`, drafter `{drafter}`, backend {setup.get('backend')}; max_tokens "
         f"{setup['max_tokens']}, temperature {setup['temperature']}, {setup['warmup']} warm-up request(s) per run"
-        + (f"; engines compared in one process: {', '.join(setup['engines'])}, {setup['slices']} slices a run. "
+        + (f"; engines compared in one process: {', '.join(setup['engines'])}, {setup['slices']} slices a run"
+           + (f", {setup['passes']} passes on the same engines. " if setup.get("passes", 1) > 1 else ". ")
            if "engines" in setup else ". ") +
         "Latencies in ms (mean / median / p99).",
         "",

@@ -30,6 +30,7 @@ from dflash_serve.services.bench.prompts import (
     random_prompts,
 )
 from dflash_serve.services.bench.serve_bench import (
+    PASS_SEED_STRIDE,
     BenchSampling,
     EmbeddedBackend,
     GrpcBackend,
@@ -412,6 +413,7 @@ def test_compared_engines_run_every_slice_back_to_back_in_every_order(model_pair
     for run in runs:
         assert run["completed"] == len(PROMPTS) and run["failed"] == 0
         assert len(run["slice_output_tok_s"]) == (3 if run["concurrency"] == 1 else 2)
+        assert "pass" not in run  # one pass
         assert run["engine_ms_per_round"]["rounds"] > 0  # its own rounds, the warm-up's left out
         by_k = run["engine_ms_per_round"]["rounds_by_k"]
         assert sum(by_k.values()) == run["engine_ms_per_round"]["rounds"]
@@ -432,6 +434,34 @@ def test_compared_engines_run_every_slice_back_to_back_in_every_order(model_pair
     assert runs[0]["tau"] is None and runs[1]["tau"] >= 1.0  # ar drafts nothing
     for engine in backends.values():
         assert not engine.engine.sequences and engine.engine.allocator.num_free == engine.engine.allocator.num_blocks
+
+
+def test_passes_repeat_the_comparison_on_the_same_engines_with_other_seeds(model_pair):
+    """--passes: every (load, set) again on the same engines, warm-up and slices alike, each pass's
+    requests with other seeds; each run and table row names its pass."""
+    target, drafter = model_pair
+    seeds: list = []
+
+    class SeedLog(EmbeddedBackend):
+        def run(self, items, sampling, load, progress=lambda: None):
+            seeds.append(sampling.seed)
+            return super().run(items, sampling, load, progress)
+
+    backends = {how: SeedLog(build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=2,
+                                                       speculation=how))) for how in ("fixed", "adaptive")}
+    runs = run_interleaved(backends, {"toy": PROMPTS}, [Load(2)], BenchSampling(max_tokens=4, seed=7), warmup=1,
+                           slices=2, passes=2, show_progress=False)
+    assert [(r["pass"], r["engine"]) for r in runs] == [(1, "fixed"), (1, "adaptive"), (2, "fixed"), (2, "adaptive")]
+    assert all(r["completed"] == len(PROMPTS) and len(r["slice_output_tok_s"]) == 2 for r in runs)
+    # per pass and engine: a warm-up and two slices
+    assert seeds == [7] * 6 + [7 + PASS_SEED_STRIDE] * 6
+    table = comparison_lines(runs)
+    assert [line.split(" | ")[:2] for line in table[4:]] == [["| toy, pass 1", "c=2"], ["| toy, pass 2", "c=2"]]
+    report = markdown_report({"target": target, "max_tokens": 4, "temperature": 0.0, "warmup": 1,
+                              "engines": list(backends), "slices": 2, "passes": 2}, runs)
+    assert "2 slices a run, 2 passes on the same engines." in report and "| toy, pass 2 (adaptive) | c=2 |" in report
+    for backend in backends.values():
+        assert not backend.engine.sequences and backend.engine.allocator.num_free == backend.engine.allocator.num_blocks
 
 
 def test_slice_orders_balance_positions_and_neighbours():
@@ -481,6 +511,7 @@ def test_the_cli_compares_engines_in_one_process(model_pair, tmp_path, capsys):
     (["--compare", "ar,eagle"], "two or more of ar, adaptive, fixed"),
     (["--compare", "ar,fixed", "--speculation", "fixed"], "leave --speculation out"),
     (["--compare", "ar,fixed", "--slices", "0"], "--slices must be positive"),
+    (["--compare", "ar,fixed", "--passes", "0"], "--passes must be positive"),
     (["--compare", "ar,fixed", "--drafter", "none"], "needs a drafter"),
 ])
 def test_the_cli_says_what_to_fix_in_a_comparison(model_pair, args, says, capsys):
@@ -496,6 +527,8 @@ def test_slices_go_with_a_comparison(capsys):
 
     assert main(["bench", "--embedded", "--dataset", "random", "--drafter", "none", "--slices", "4"]) == 2
     assert "--slices cuts the runs of a comparison: give --compare too" in capsys.readouterr().err
+    assert main(["bench", "--embedded", "--dataset", "random", "--drafter", "none", "--passes", "3"]) == 2
+    assert "--passes repeats a comparison: give --compare too" in capsys.readouterr().err
 
 
 def test_a_comparison_runs_only_embedded(capsys):
