@@ -738,7 +738,8 @@ def run_bench(backend, prompt_sets: dict[str, list[Prompt]], loads: Sequence[Loa
     return runs
 
 
-# Pass p's request i gets seed + p * PASS_SEED_STRIDE + i: no two passes share a seed below a million prompts.
+# Pass p (1, 2, …): request i gets seed + (p − 1) · PASS_SEED_STRIDE + i; no two passes share a seed
+# below a million prompts.
 PASS_SEED_STRIDE = 1_000_000
 
 
