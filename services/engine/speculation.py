@@ -38,6 +38,7 @@ PROBE_ROUNDS = 2  # a probe's rounds in a row: a round's wall time holds the nex
 PROBE_BUDGET = 0.01  # what probes are expected to lose against AR, at most this share of the AR steps' time
 PROBE_COST_RATE = 0.5  # probes are rare: each of their rounds moves their measured cost this far
 OUTLIER_FACTOR = 2.0  # a round's wall time counts as at most this many times the current estimate
+PRIOR_ROUNDS = 4  # a kind of round's cost averages its first rounds from its prior, which counts as this many
 
 
 def k_buckets(block_size: int, table: dict | None = None) -> tuple[int, ...]:
@@ -194,6 +195,50 @@ class RealizedDrafts:
             self.accepted += self.drift * (self.expected - self.accepted)
 
 
+class DriftingEstimates:
+    """A cost per kind of round (a key) that moves with the host: each key's estimate is its own
+    base times one drift factor shared by every key. A round observed moves its key's base at
+    `rate` — after averaging its first trials from the prior it started at, counted as
+    `prior_trials` trials — and, once the key is settled (that average done), the drift at
+    `drift_rate` with what its base left of the error. Bounded: one base per key.
+
+    Why shared: the host's speed changes under the policy (H200, T 1 alpaca at c = 32: AR steps alone
+    ran 12.7k–20.2k tok/s from one 3-s pass to the next), and a kind of round the policy stops
+    choosing is not measured again. Each kind kept its own moving average, and AR steps at batch 32
+    kept the 1.22 ms of host (× 1.10 wall) they read in a slow pass for twelve passes, while rounds of
+    k = 3 tracked the host at 0.95–1.45 ms: the policy priced AR steps at 1.35 ms where its own AR
+    steps took 0.97–1.04, verified k = 3 in 96 % of the rounds, and ran 0.95 × AR (BENCHMARKS).
+    A key's start moves no drift: from its prior (an AR step's host time for a new k) to its own
+    cost is that kind's difference, not the host's.
+    """
+
+    def __init__(self, *, rate: float = 0.005, drift_rate: float = 0.05, prior_trials: int = PRIOR_ROUNDS):
+        if not 0 < rate <= 1 or not 0 < drift_rate <= 1 or prior_trials < 0:
+            raise ValueError(f"rate {rate} and drift_rate {drift_rate} must be in (0, 1], prior_trials {prior_trials} ≥ 0")
+        self.rate, self.drift_rate, self.prior_trials = rate, drift_rate, prior_trials
+        self.drift = 1.0
+        self.base: dict = {}
+        self.trials: dict = {}
+
+    def get(self, key) -> float | None:
+        """The key's estimate now (None: never observed)."""
+        base = self.base.get(key)
+        return None if base is None else base * self.drift
+
+    def observe(self, key, value: float, prior: float) -> None:
+        """A round of `key` measured `value`; `prior`: what the caller took for it until now, where
+        it has no estimate of its own. One observation counts for at most OUTLIER_FACTOR times the
+        estimate (see `RoundCosts`)."""
+        drift, trials = self.drift, self.trials.get(key, 0)
+        base = self.base.get(key, prior / drift)
+        value = min(value, OUTLIER_FACTOR * base * drift)
+        weight = max(self.rate, 1 / (self.prior_trials + trials + 1))
+        base += weight * (value / drift - base)
+        self.base[key], self.trials[key] = base, trials + 1
+        if weight == self.rate:
+            self.drift = drift + self.drift_rate * (value / base - drift)
+
+
 class RoundCosts:
     """Seconds of a round's verify (per batch size and k bucket) and draft forward (per batch
     size), at the batch sizes measured; between them, linear in the batch size. Measured with
@@ -212,8 +257,9 @@ class RoundCosts:
     A round's wall time is not its forwards' device time: the host's work per round, and
     sampling, come on top, more so for a speculative round than an AR step. Wall times of rounds
     (`observe_round`) keep, per kind of round — an AR step, or speculative whatever its k — and
-    measured batch size, a moving average of wall / predicted seconds that scales
-    `round_seconds`; a kind and size never observed keeps the start-up prediction, which
+    measured batch size, an estimate of wall / predicted seconds that scales `round_seconds`: its own
+    times a drift every kind and size shares (`DriftingEstimates`), so that a kind the policy stopped
+    choosing follows what the other kind's rounds show of the host; a kind and size never observed keeps the start-up prediction, which
     underestimates it — so it is tried, and measured, once chosen. One observation counts for at
     most OUTLIER_FACTOR times the estimate: on a shared host a round only ever takes longer than
     its work (another process, a collection), and one slow round must not make a kind of round
@@ -229,7 +275,8 @@ class RoundCosts:
 
     Where rounds chain (a GPU), the device runs a round while the host finishes the one before and
     launches the next, so a round takes the longer of the two: the host's own seconds per round
-    (`host_seconds`, a moving average per k and size; a k not yet chosen takes an AR step's) bound
+    (`host_seconds`, an estimate per k and size sharing one drift, as the wall factors do; a k not
+    yet chosen takes an AR step's) bound
     the prediction from below, and the wall factor (per kind and size) corrects that: it is each
     chained round's wall time over the longer of that round's own host time and the device's
     prediction. Over the moving average of the host time instead, the factor counted the average's
@@ -250,7 +297,8 @@ class RoundCosts:
 
     def __init__(self, batch_sizes: Sequence[int], verify: dict[int, Sequence[float]],
                  draft: Sequence[float] | None, *, context: int = 0, verify_slope: Sequence[float] | None = None,
-                 draft_slope: Sequence[float] | None = None, draft_rate: float = 0.1, wall_rate: float = 0.05):
+                 draft_slope: Sequence[float] | None = None, draft_rate: float = 0.1, wall_rate: float = 0.05,
+                 own_rate: float = 0.005):
         self.batch_sizes = list(batch_sizes)
         if self.batch_sizes != sorted(set(self.batch_sizes)) or not self.batch_sizes:
             raise ValueError(f"batch sizes {batch_sizes} must be distinct and ascending")
@@ -272,9 +320,9 @@ class RoundCosts:
         self.verify_slope = monotone(verify_slope or [0.0] * len(self.batch_sizes))
         self.draft_slope = monotone(draft_slope or [0.0] * len(self.batch_sizes))
         self.draft_rate = draft_rate
-        self.wall_rate = wall_rate
-        self.wall_factor: dict[tuple[bool, int], float] = {}  # (k > 0, index of the nearest batch size) -> wall / predicted
-        self.host: dict[tuple[int, int], float] = {}  # (k, nearest batch size's index) -> host seconds a chained round
+        # (k > 0, index of the nearest batch size) -> wall / predicted; (k, that index) -> host seconds a chained round
+        self.wall_factor = DriftingEstimates(rate=own_rate, drift_rate=wall_rate)
+        self.host = DriftingEstimates(rate=own_rate, drift_rate=wall_rate)
         self._by_size: dict[int, tuple[int, dict[int, tuple[float, float]]]] = {}  # `_size_terms`
 
     def _blend(self, n: int) -> tuple[int, int, float, float]:
@@ -328,7 +376,7 @@ class RoundCosts:
         """The host's seconds a chained round of k at the measured size `at`: its own, else an AR
         step's (0: none measured) — a k not yet chosen looks no dearer than an AR step, so it is tried."""
         own = self.host.get((k, at))
-        return own if own is not None else self.host.get((0, at), 0.0)
+        return own if own is not None else self.host.get((0, at)) or 0.0
 
     def predicted_seconds(self, n: int, k: int, context: float | None = None) -> float:
         """A round's forwards at batch n verifying k drafts (no draft forward when k = 0), with
@@ -363,21 +411,19 @@ class RoundCosts:
             # From what the model used until now (an AR step's host time, or the device's
             # prediction), so that one slow round (the first after start-up, a collection) cannot
             # make a k look dear until the policy never tries it again.
-            old_host = self.host.get((k, at)) or max(self._host(k, at), device)
-            self.host[k, at] = old_host + self.wall_rate * (min(host_seconds, OUTLIER_FACTOR * old_host) - old_host)
+            self.host.observe((k, at), host_seconds, max(self._host(k, at), device))
         # The wall time over the round's own bound: its own host time where given, not the moving
         # average, which lags it, so that the factor does not count that lag on top of the host time.
         bound = max(host_seconds if host_seconds > 0 else self._host(k, at), device)
         if bound <= 0 or seconds <= 0:
             return
-        old = self._wall_factor(*key)
-        ratio = min(seconds / bound, OUTLIER_FACTOR * old)
-        self.wall_factor[key] = old + self.wall_rate * (ratio - old)
+        self.wall_factor.observe(key, seconds / bound, self._wall_factor(*key))
 
     def _wall_factor(self, speculative: bool, at: int) -> float:
         """The factor of a kind of round at a size: its own, else the other kind's there up to 1."""
         own = self.wall_factor.get((speculative, at))
-        return own if own is not None else min(1.0, self.wall_factor.get((not speculative, at), 1.0))
+        other = self.wall_factor.get((not speculative, at))
+        return own if own is not None else min(1.0, 1.0 if other is None else other)
 
     def nearest(self, n: int) -> int:
         """The index of the measured batch size nearest n (the smaller on a tie)."""

@@ -12,6 +12,7 @@ import pytest
 
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.speculation import (
+    PRIOR_ROUNDS,
     PROBE_BUDGET,
     PROBE_ROUNDS,
     AcceptanceTracker,
@@ -95,7 +96,7 @@ def test_costs_follow_the_batchs_mean_context():
     assert costs.round_seconds(16, 0, 128) == costs.predicted_seconds(16, 0, 128)  # no wall time observed
     # The wall factor is learnt against the prediction at the round's own context.
     costs.observe_round(16, 0, 2 * costs.predicted_seconds(16, 0, 64), 64)
-    assert costs.wall_factor[(False, 1)] == pytest.approx(1.05)
+    assert costs.wall_factor.get((False, 1)) == pytest.approx(1 + 1 / (PRIOR_ROUNDS + 1))  # from the prior 1
     # Never below nothing, and slopes are monotone in the batch size like the costs.
     assert RoundCosts([1], {0: [1.0]}, None, context=256, verify_slope=[0.1]).predicted_seconds(1, 0, 0) == 0.0
     assert RoundCosts([1, 4], {0: [1.0, 2.0]}, None, verify_slope=[0.2, 0.1]).verify_slope == [0.2, 0.2]
@@ -133,9 +134,9 @@ def test_an_unobserved_kind_of_round_takes_the_other_kinds_factor_up_to_1():
     assert costs.round_seconds(8, 7) == pytest.approx(0.8, rel=0.01)
     assert costs.round_seconds(8, 0) == pytest.approx(0.8, rel=0.01)  # unobserved: the speculative factor
     costs.observe_round(8, 0, 1.0)
-    assert costs.round_seconds(8, 0) == pytest.approx(0.8 + 0.05 * 0.2, rel=0.01)  # then its own, from there
+    assert costs.round_seconds(8, 0) == pytest.approx(0.8 + 0.2 / (PRIOR_ROUNDS + 1), rel=0.01)  # then its own
     assert costs.round_seconds(1, 0) == 1.0  # another size: none observed
-    for _ in range(200):
+    for _ in range(400):  # (the prior counts as PRIOR_ROUNDS of them)
         costs.observe_round(1, 0, 3.0)
     assert costs.round_seconds(1, 0) == pytest.approx(3.0, rel=0.01)
     assert costs.round_seconds(1, 7) == 1.0  # above 1: the prediction
@@ -424,12 +425,14 @@ def test_probes_are_spaced_by_what_rounds_of_their_k_took():
         policy.observe_round_time(8, k, wall[k])
         chosen.append(k)
     assert set(chosen) == {0, 15}
-    assert policy.rounds_between_probes(8, 15) == math.ceil(PROBE_ROUNDS * (2.4 - 1.0) / PROBE_BUDGET) == 280
+    # The probes' slow rounds move the drift the AR steps share a little, until AR steps pull it back.
+    assert policy.rounds_between_probes(8, 15) == pytest.approx(math.ceil(PROBE_ROUNDS * (2.4 - 1.0) / PROBE_BUDGET),
+                                                                rel=0.02)
     # Measured within three probes (the model's shared factor, moved by 0.05 a round, would take tens).
     ar_runs = [len(list(run)) for k, run in itertools.groupby(chosen) if k == 0]
     assert ar_runs[0] == 49 and min(ar_runs[3:-1]) >= 250  # the probe is the 50th choice
     later = chosen[2000:]
-    assert later.count(15) * (2.4 - 1.0) <= PROBE_BUDGET * later.count(0) * 1.05
+    assert later.count(15) * (2.4 - 1.0) <= PROBE_BUDGET * later.count(0) * 1.08  # (the drift, above)
     measured = policy.rounds_between_probes(8, 15)
     policy.observe_round_time(8, 15, 100.0)  # outside a probe: the probe's cost is what probes took
     assert policy.rounds_between_probes(8, 15) == measured
@@ -534,17 +537,18 @@ def test_wall_times_of_rounds_correct_the_start_up_costs():
     assert costs.round_seconds(32, 15) == pytest.approx(1.0)
 
 
-def test_wall_times_are_a_moving_average_and_ignored_by_fixed_speculation():
+def test_wall_times_are_averaged_from_the_prediction_and_ignored_by_fixed_speculation():
     costs = _costs(lambda n, k: 2.0)
     costs.observe_round(1, 7, 4.0)
     costs.observe_round(1, 7, 2.0)
-    # From the prediction (factor 1) towards 2 (4 s, capped at twice the estimate), then towards 1
-    assert costs.round_seconds(1, 7) == pytest.approx(2.0 * (1.05 + 0.05 * (1.0 - 1.05)))
+    # The prediction (factor 1) counts as PRIOR_ROUNDS rounds; 4 s is capped at twice the estimate (2), then 1
+    factor = 1 + 1 / (PRIOR_ROUNDS + 1)
+    assert costs.round_seconds(1, 7) == pytest.approx(2.0 * (factor + (1.0 - factor) / (PRIOR_ROUNDS + 2)))
     assert costs.round_seconds(1, 3) == costs.round_seconds(1, 7)  # one factor for every k > 0
     assert costs.round_seconds(1, 0) == 2.0  # AR steps keep their own
     fixed = _policy(_costs(lambda n, k: 2.0), speculation="fixed")
     fixed.observe_round_time(1, 7, 100.0)
-    assert fixed.costs.wall_factor == {}
+    assert fixed.costs.wall_factor.base == {}
 
 
 def test_where_the_host_takes_longer_than_the_device_every_k_costs_the_host_time():
@@ -563,14 +567,16 @@ def test_where_the_host_takes_longer_than_the_device_every_k_costs_the_host_time
         for k in (3, 15):
             unchained.observe_round_time(32, k, 2.1e-3 if k == 3 else 2.2e-3)
     costs = chained.costs
-    assert costs.round_seconds(32, 3) == pytest.approx(costs.round_seconds(32, 15), rel=1e-4)
+    # (What is left of each k's start after 200 rounds: the first, AR steps', at the device's 1.5 ms.)
+    assert costs.round_seconds(32, 3) == pytest.approx(costs.round_seconds(32, 15), rel=5e-3)
     assert costs.round_seconds(32, 15) == pytest.approx(2.1e-3, rel=0.01)
-    assert costs.host[3, 2] == pytest.approx(2.0e-3, rel=1e-4) and costs.host[15, 2] == pytest.approx(2.0e-3, rel=1e-4)
+    assert costs.host.get((3, 2)) == pytest.approx(2.0e-3, rel=5e-3)
+    assert costs.host.get((15, 2)) == pytest.approx(2.0e-3, rel=5e-3)
     assert chained.choose([None] * 32) == 15
-    assert unchained.costs.host == {} and unchained.choose([None] * 32) < 15  # the device's differences, scaled
+    assert unchained.costs.host.base == {} and unchained.choose([None] * 32) < 15  # the device's differences, scaled
     # Where the device takes longer than the host, it is the device's time that counts.
     costs.observe_round(32, 15, 2.1e-3, host_seconds=1.0e-3)
-    assert costs.host[15, 2] == pytest.approx(1.95e-3, rel=1e-4)  # a moving average
+    assert 1.9e-3 < costs.host.get((15, 2)) < 1.95e-3  # a moving average (its own 1 %, the drift's 5 %)
     slow = _costs(lambda n, k: 4e-3)
     slow.observe_round(32, 15, 4.0e-3, host_seconds=1.0e-3)
     assert slow.round_seconds(32, 15) == pytest.approx(4.0e-3)
@@ -578,7 +584,7 @@ def test_where_the_host_takes_longer_than_the_device_every_k_costs_the_host_time
     # one stalled round (50 ms here) cannot make speculation look dear for good.
     fresh = _costs(device)
     fresh.observe_round(32, 3, 1.5e-3, host_seconds=50e-3)
-    assert fresh.host[3, 2] == pytest.approx(1.5e-3 * (1 + 0.05))
+    assert fresh.host.get((3, 2)) == pytest.approx(1.5e-3 * (1 + 1 / (PRIOR_ROUNDS + 1)))  # the prior, as rounds
 
 
 def test_each_k_is_bounded_by_its_own_host_time():
@@ -589,18 +595,18 @@ def test_each_k_is_bounded_by_its_own_host_time():
     not chosen yet takes an AR step's, so that it is tried, and a first observation moves on from
     there, not from the device's cheaper prediction."""
     costs = _costs(lambda n, k: 1.0e-3 + 0.02e-3 * k)
-    for _ in range(200):
+    for _ in range(400):  # (the start's prior counts as PRIOR_ROUNDS of them)
         costs.observe_round(32, 0, 1.9e-3, host_seconds=1.8e-3)
         costs.observe_round(32, 15, 2.3e-3, host_seconds=2.2e-3)
-    assert costs.host[0, 2] == pytest.approx(1.8e-3, rel=1e-3) and costs.host[15, 2] == pytest.approx(2.2e-3, rel=1e-3)
-    assert 3 not in {k for k, _ in costs.host}
-    factor = costs.wall_factor[True, 2]
-    assert costs.round_seconds(32, 3) == pytest.approx(costs.host[0, 2] * factor)  # an AR step's host time
-    assert costs.round_seconds(32, 15) == pytest.approx(costs.host[15, 2] * factor)
-    ar_host = costs.host[0, 2]
+    ar_host, deep_host = costs.host.get((0, 2)), costs.host.get((15, 2))
+    assert ar_host == pytest.approx(1.8e-3, rel=1e-3) and deep_host == pytest.approx(2.2e-3, rel=1e-3)
+    assert 3 not in {k for k, _ in costs.host.base}
+    factor = costs.wall_factor.get((True, 2))
+    assert costs.round_seconds(32, 3) == pytest.approx(ar_host * factor)  # an AR step's host time
+    assert costs.round_seconds(32, 15) == pytest.approx(deep_host * factor)
     costs.observe_round(32, 3, 2.0e-3, host_seconds=1.9e-3)
-    assert costs.host[3, 2] == pytest.approx(ar_host + 0.05 * (1.9e-3 - ar_host))
-    assert costs.host[15, 2] == pytest.approx(2.2e-3, rel=1e-3)  # untouched
+    assert costs.host.get((3, 2)) == pytest.approx(ar_host + (1.9e-3 - ar_host) / (PRIOR_ROUNDS + 1))  # from AR's
+    assert costs.host.get((0, 2)) == ar_host and costs.host.get((15, 2)) == deep_host  # a new k moves no drift
 
 
 def test_a_policy_that_chose_deep_rounds_moves_to_the_shallow_k_that_costs_the_host_less():
@@ -624,6 +630,32 @@ def test_a_policy_that_chose_deep_rounds_moves_to_the_shallow_k_that_costs_the_h
     assert 15 not in last and last[3] + last[7] >= 90, last
 
 
+def test_a_kind_the_policy_stopped_choosing_follows_the_hosts_speed():
+    """The H200 at batch 32, T 1 on alpaca over 14 passes (BENCHMARKS, thirty-second session): AR
+    steps last measured in a slow pass kept 1.22 ms of host (× 1.10 wall) for twelve passes while
+    the host sped up under rounds of k = 3; the policy read AR steps at 1.35 ms where its own took
+    ~1.0, verified k = 3 (1.26 tokens a sequence-round for ~1.4 ms) in 96 % of the rounds and ran
+    0.95 × AR. Host times share one drift: what the rounds of k = 3 show of the host's speed moves
+    AR steps' estimate too, and the policy returns to them."""
+    acceptance = [0.2, 0.2, 0.3] + [0.1] * (B - 4)  # a round of k = 3: 1.25 tokens a sequence
+    policy = _policy(_costs(lambda n, k: 0.9e-3, ks=(0, 3)), acceptance)  # the two kinds the trace chose
+    host = {0: 1.0e-3, 3: 1.4e-3}  # at the host's speed 1; each round's wall time 2 % over its host's
+
+    def rounds(k, count, speed):
+        for _ in range(count):
+            policy.observe_round_time(32, k, 1.02 * speed * host[k], host_seconds=speed * host[k])
+
+    for _ in range(100):  # a slow pass: both kinds measured
+        rounds(0, 2, 1.3)
+        rounds(3, 2, 1.3)
+    assert policy.choose([None] * 32) == 0
+    rounds(3, 300, 1.0)  # the host speeds up while the policy speculates (a probe, an acceptance high for a while)
+    assert policy.costs.round_seconds(32, 0) == pytest.approx(1.02 * host[0], rel=0.03)
+    assert policy.choose([None] * 32) == 0
+    # Each kind's own difference stays its own: k = 3 still costs 1.4 AR steps.
+    assert policy.costs.round_seconds(32, 3) / policy.costs.round_seconds(32, 0) == pytest.approx(1.4, rel=0.03)
+
+
 def test_the_wall_factor_of_chained_rounds_does_not_count_the_host_averages_lag():
     """The H100 at batch 32, AR steps of T 1 on alpaca: each took 2.19 ms of wall time, 1.94 of it
     the host's, against 0.99 predicted for the device. The host's moving average starts at the
@@ -639,11 +671,13 @@ def test_the_wall_factor_of_chained_rounds_does_not_count_the_host_averages_lag(
         seen.append(costs.round_seconds(32, 0))
     assert max(seen) <= wall * (1 + 1e-9)
     assert seen[46] > 0.9 * wall and seen[-1] == pytest.approx(wall, rel=0.01)
-    assert costs.wall_factor[False, 2] == pytest.approx(wall / host, rel=1e-3)
-    # A round that ran alone gives no host time: its wall over the host's average, as before.
-    before = costs.wall_factor[False, 2]
+    assert costs.wall_factor.get((False, 2)) == pytest.approx(wall / host, rel=3e-3)  # (the prior 1, as rounds)
+    # A round that ran alone gives no host time: its wall over the host's estimate, as before (1 % of the
+    # error to the kind's own factor, 5 % of the rest to the drift).
+    before = costs.wall_factor.get((False, 2))
+    gap = 1.5 * wall / costs.host.get((0, 2)) - before
     costs.observe_round(32, 0, 1.5 * wall)
-    assert costs.wall_factor[False, 2] == pytest.approx(before + 0.05 * (1.5 * wall / costs.host[0, 2] - before))
+    assert before + 0.05 * gap < costs.wall_factor.get((False, 2)) < before + 0.06 * gap
 
 
 def test_the_policy_state_is_bounded_however_long_it_runs():
