@@ -856,7 +856,7 @@ def round_times_ms(timings) -> dict | None:
     launching and finishing rounds; draft, verify, accept are device times on a GPU). The same
     work's host time differs between processes on a shared host: it tells the machine's drift
     from the engine's choices when runs of one cell spread. By k, [rounds, mean ms] of the rounds' periods
-    (`StepTimings.period_by_k`), of all read in the step loop and of those the adaptive policy observed."""
+    (`StepTimings.period_by_k`): what the adaptive policy weighs."""
     if timings is None or not timings.rounds:
         return None
     per_round = {name: 1e3 * getattr(timings, name) / timings.rounds for name in ("host", "draft", "verify", "accept")}
@@ -865,8 +865,7 @@ def round_times_ms(timings) -> dict | None:
         return {k: [n, round(1e3 * seconds[k] / n, 4)] for k, n in sorted(rounds.items()) if n}
 
     return {"rounds": timings.rounds, **per_round, "rounds_by_k": timings.rounds_by_k,
-            "period_ms_by_k": periods(timings.period_rounds_by_k, timings.period_by_k),
-            "observed_ms_by_k": periods(timings.observed_rounds_by_k, timings.observed_period_by_k)}
+            "period_ms_by_k": periods(timings.period_rounds_by_k, timings.period_by_k)}
 
 
 def write_report(out_dir: str | Path, setup: dict, runs: list[dict]) -> list[Path]:
@@ -970,15 +969,13 @@ def markdown_report(setup: dict, runs: list[dict]) -> str:
             t = r["engine_ms_per_round"]
             lines.append(f"| {run_label(r)} | {load_label(r)} | {t['rounds']} | "
                          + " | ".join(f"{t[k]:.3f}" for k in ("host", "draft", "verify", "accept")) + " |")
-        lines += ["", "Each k's rounds read in the step loop, and the mean period of each (ms: from the later of the "
-                  "round's launch and the last read to its read), all of them and those the adaptive policy observed:",
-                  "", "| dataset | load | k | rounds | ms | observed | ms |", "|---|---|---:|---:|---:|---:|---:|"]
+        lines += ["", "Each k's rounds read in the step loop, and their mean period (ms: from the later of the "
+                  "round's launch and the last read to its read; what the adaptive policy weighs):",
+                  "", "| dataset | load | k | rounds | ms |", "|---|---|---:|---:|---:|"]
         for r in timed:
             t = r["engine_ms_per_round"]
             for k, (n, ms) in t["period_ms_by_k"].items():
-                seen, seen_ms = t["observed_ms_by_k"].get(k, (0, None))
-                lines.append(f"| {run_label(r)} | {load_label(r)} | {k} | {n} | {ms:.3f} | {seen} | "
-                             f"{_fmt(seen_ms, '.3f')} |")
+                lines.append(f"| {run_label(r)} | {load_label(r)} | {k} | {n} | {ms:.3f} |")
     conversational = [r for r in runs if len(r["turns"]) > 1]
     if conversational:
         lines += ["", "Per turn of the conversations (each turn sent once the answer to the one before arrived; "

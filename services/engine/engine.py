@@ -103,23 +103,17 @@ class StepTimings:
     rounds: int = 0
     rounds_by_k: dict[int, int] = dataclasses.field(default_factory=dict)  # k verified (0: AR steps) -> rounds
     # By k, the rounds read in the step loop and their periods, summed (`Engine._observe_round_time`: what each added to
-    # the loop, batch changes and prefills included); and of those, the ones the policy observed. Where the two
-    # means of a k differ, the policy prices that k by rounds unlike the rest.
+    # the loop, batch changes and prefills included): what the adaptive policy weighs.
     period_rounds_by_k: dict[int, int] = dataclasses.field(default_factory=dict)
     period_by_k: dict[int, float] = dataclasses.field(default_factory=dict)
-    observed_rounds_by_k: dict[int, int] = dataclasses.field(default_factory=dict)
-    observed_period_by_k: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def copy(self) -> StepTimings:
         return dataclasses.replace(self, **{f.name: dict(getattr(self, f.name)) for f in dataclasses.fields(self)
                                             if isinstance(getattr(self, f.name), dict)})
 
-    def add_period(self, k: int, seconds: float, observed: bool) -> None:
+    def add_period(self, k: int, seconds: float) -> None:
         self.period_rounds_by_k[k] = self.period_rounds_by_k.get(k, 0) + 1
         self.period_by_k[k] = self.period_by_k.get(k, 0.0) + seconds
-        if observed:
-            self.observed_rounds_by_k[k] = self.observed_rounds_by_k.get(k, 0) + 1
-            self.observed_period_by_k[k] = self.observed_period_by_k.get(k, 0.0) + seconds
 
     def __sub__(self, before: StepTimings) -> StepTimings:
         def minus(now, then):
@@ -180,8 +174,9 @@ class _Round:
     host_seconds: float = 0.0  # the host's own time launching and finishing it
     chained: bool = False  # launched while the round before it was still on the device
     finished: bool = False  # read and committed
-    timed: bool = True  # its wall time is the policy's to observe (`_observe_round_time`)
-    behind_prefill: bool = False  # launched after a prefill in the same step
+    # A request it held still ran when it was read: else the loop may have waited for new work since, and its
+    # time is not a round's (`_observe_round_time`).
+    timed: bool = True
 
 
 @dataclass
@@ -373,21 +368,14 @@ class Engine:
             # there, then read it — the GPU never waits for Python between rounds.
             lookahead = self.block_size  # what the new round writes, even if it loses its drafter
             self._in_flight = self._guarded(self._launch_round, previous.seqs, previous.seqs, previous)
-            if self._in_flight is not None and previous.behind_prefill:
-                # The host, busy with the prefill's step, reads `previous` late: the new round runs
-                # partly before that read, and the interval from it is short (0.7 of a round on the H100).
-                self._in_flight.timed = False
             self._guarded(self._finish_round, previous, previous.seqs, lookahead)
-            self._observe_round_time(previous, self._in_flight)
+            self._observe_round_time(previous)
         else:
             # The batch changes. Where the sequences that stay can chain on the round in flight, the
             # next round is scheduled and launched before that round is read (`_chains_across`).
             chained_on = previous if previous is not None and self._chains_across(previous) else None
             lookahead = self.block_size  # what a round launched on it writes, even if it loses its drafter
             if previous is not None and chained_on is None:
-                # A round holding a request that ended before it was read was wasted on it, and
-                # the loop may have waited for new work since: its time is not a round's.
-                previous.timed &= all(s.status is SequenceStatus.RUNNING for s in previous.seqs)
                 self._guarded(self._finish_round, previous, previous.seqs)
                 self._observe_round_time(previous)
             plan = self.scheduler.schedule()
@@ -409,14 +397,9 @@ class Engine:
                 self._guarded(self._start_groups, decodes, decodes)
             elif decodes:
                 launched = self._guarded(self._launch_round, decodes, decodes, chained_on, None, first)
-                if launched is not None and plan.prefills:  # it queued behind the prefill's forwards
-                    launched.timed, launched.behind_prefill = False, True
             if chained_on is not None:
-                # Also wasted on requests that ended, and behind a prefill the host read it late.
-                ended = any(s.status is not SequenceStatus.RUNNING for s in chained_on.seqs)
-                chained_on.timed &= not plan.prefills and not ended
                 self._guarded(self._finish_round, chained_on, chained_on.seqs, lookahead)
-                self._observe_round_time(chained_on, launched)
+                self._observe_round_time(chained_on)
             # Read after the launch: the device runs the round while the host waits for them.
             self._commit_first_tokens(first)
             if launched is not None and launched.chainable:
@@ -434,25 +417,28 @@ class Engine:
         context = mean_position(seqs) if policy.adapts else None
         return policy.choose([s.params.num_speculative_tokens for s in seqs], context)
 
-    def _observe_round_time(self, rnd: _Round, launched_next: _Round | None = None) -> None:
+    def _observe_round_time(self, rnd: _Round) -> None:
         """Give the speculation policy the wall time of a round just read: from the later of its
         launch and the last round's read, which is what it added to the serving loop — the step
-        period of chained rounds, launch to read for one that ran alone (the first after the
-        batch changed: most rounds at high concurrency, where requests end every few rounds).
-        Not a round that queued behind a prefill, or was chained on one, nor one whose time also
-        holds the host's launch of a round of another k (`launched_next`). Its context is the
-        sequences' mean position now, a round's commit past where it ran: a few positions of
-        hundreds. For a round launched while the one before it ran, the host's own time for it goes
-        too: the device runs one round while the host finishes the last and launches the next, so
-        such a round takes at least that (`RoundCosts`). Every round's period goes into the timings
-        (`StepTimings.add_period`), observed or not, for the benchmarks."""
+        period of chained rounds, launch to read for one that ran alone. Every round, the batch's
+        changes and the prefills read with it included: at c = 32 two thirds of the rounds are at
+        batch changes, where requests end and others join, and on the H200 (T 1, alpaca) they held
+        80 % of the time, a round of k = 3 at 1.10 × an AR step there against 1.3 chained. Priced by
+        the chained rounds alone, the policy read AR steps as the faster where rounds of k = 3 ran as
+        fast (BENCHMARKS, thirty-second session). A prefill's time, the same whatever k, comes per
+        token alike to either kind of round. Not a round none of whose requests still ran (`timed`):
+        the loop may have waited for work. Its context is the sequences' mean position now, a
+        round's commit past where it ran: a few positions of hundreds. For a round launched while
+        the one before it ran, the host's own time for it goes too: the device runs one round while
+        the host finishes the last and launches the next, so such a round takes at least that
+        (`RoundCosts`). The periods go into the timings too (`StepTimings.add_period`)."""
         now = time.perf_counter()
         start = rnd.launched_at if self._last_read_at is None else max(rnd.launched_at, self._last_read_at)
         self._last_read_at = now
-        observed = (rnd.timed and rnd.proposer is not None and self.speculation.adapts
-                    and (launched_next is None or launched_next.k == rnd.k))
-        self.timings.add_period(rnd.k, now - start, observed)
-        if observed:
+        if not rnd.timed:
+            return
+        self.timings.add_period(rnd.k, now - start)
+        if rnd.proposer is not None and self.speculation.adapts:
             host = rnd.host_seconds if rnd.chained else 0.0
             self.speculation.observe_round_time(len(rnd.seqs), rnd.k, now - start, mean_position(rnd.seqs), host)
 
@@ -904,6 +890,7 @@ class Engine:
         if rnd.finished:  # a chained round with a drafter in the background reads its predecessor itself
             return
         rnd.finished = True
+        rnd.timed = any(seq.status is SequenceStatus.RUNNING for seq in rnd.seqs)
         if rnd.ready is not None:
             rnd.ready.synchronize()
         t0 = time.perf_counter()  # the host's own time, not its wait for the device
