@@ -205,7 +205,7 @@ class DriftingEstimates:
     Why shared: the host's speed changes under the policy (H200, T 1 alpaca at c = 32: AR steps alone
     ran 12.7k–20.2k tok/s from one 3-s pass to the next), and a kind of round the policy stops
     choosing is not measured again. Each kind kept its own moving average, and AR steps at batch 32
-    kept the 1.22 ms of host (× 1.10 wall) they read in a slow pass for twelve passes, while rounds of
+    kept the 1.22 ms of host (× 1.10 wall) they read in a slow pass for ten passes, while rounds of
     k = 3 tracked the host at 0.95–1.45 ms: the policy priced AR steps at 1.35 ms where its own AR
     steps took 0.97–1.04, verified k = 3 in 96 % of the rounds, and ran 0.95 × AR (BENCHMARKS).
     A key's start moves no drift: from its prior (an AR step's host time for a new k) to its own
@@ -214,7 +214,8 @@ class DriftingEstimates:
 
     def __init__(self, *, rate: float = 0.005, drift_rate: float = 0.05, prior_trials: int = PRIOR_ROUNDS):
         if not 0 < rate <= 1 or not 0 < drift_rate <= 1 or prior_trials < 0:
-            raise ValueError(f"rate {rate} and drift_rate {drift_rate} must be in (0, 1], prior_trials {prior_trials} ≥ 0")
+            raise ValueError(f"rate {rate} and drift_rate {drift_rate} must be in (0, 1], "
+                             f"prior_trials {prior_trials} ≥ 0")
         self.rate, self.drift_rate, self.prior_trials = rate, drift_rate, prior_trials
         self.drift = 1.0
         self.base: dict = {}
@@ -235,7 +236,7 @@ class DriftingEstimates:
         weight = max(self.rate, 1 / (self.prior_trials + trials + 1))
         base += weight * (value / drift - base)
         self.base[key], self.trials[key] = base, trials + 1
-        if weight == self.rate:
+        if weight == self.rate:  # settled
             self.drift = drift + self.drift_rate * (value / base - drift)
 
 
@@ -259,9 +260,10 @@ class RoundCosts:
     (`observe_round`) keep, per kind of round — an AR step, or speculative whatever its k — and
     measured batch size, an estimate of wall / predicted seconds that scales `round_seconds`: its own
     times a drift every kind and size shares (`DriftingEstimates`), so that a kind the policy stopped
-    choosing follows what the other kind's rounds show of the host; a kind and size never observed keeps the start-up prediction, which
-    underestimates it — so it is tried, and measured, once chosen. One observation counts for at
-    most OUTLIER_FACTOR times the estimate: on a shared host a round only ever takes longer than
+    choosing follows what the other kind's rounds show of the host; a kind and size never observed
+    keeps the start-up prediction, which underestimates it — so it is tried, and measured, once
+    chosen. One observation counts for at most OUTLIER_FACTOR times the estimate: on a shared host
+    a round only ever takes longer than
     its work (another process, a collection), and one slow round must not make a kind of round
     look slow until the policy, no longer choosing it, never measures it again. One factor
     serves every k > 0: on the H100 at batch 32 it was 1.11, 1.13 and 1.14 for k = 1, 7 and 15
