@@ -890,7 +890,7 @@ class Engine:
         if rnd.finished:  # a chained round with a drafter in the background reads its predecessor itself
             return
         rnd.finished = True
-        rnd.timed = any(seq.status is SequenceStatus.RUNNING for seq in rnd.seqs)
+        rnd.timed = False  # until its results are committed (a failed read is not a round's time)
         if rnd.ready is not None:
             rnd.ready.synchronize()
         t0 = time.perf_counter()  # the host's own time, not its wait for the device
@@ -911,6 +911,7 @@ class Engine:
             if seq.status is SequenceStatus.RUNNING:  # a finished one's blocks are already free
                 self.scheduler.offer_committed_blocks(seq)
                 self.scheduler.trim(seq, lookahead)
+        rnd.timed = bool(verified)  # some request still ran: the loop did not wait for work
         if rnd.context is not None and keep_rows and self.proposer is rnd.proposer:
             rows_t = to_device(keep_rows, torch.long, self.device)
             try:

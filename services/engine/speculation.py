@@ -263,9 +263,9 @@ class RoundCosts:
     choosing follows what the other kind's rounds show of the host; a kind and size never observed
     keeps the start-up prediction, which underestimates it — so it is tried, and measured, once
     chosen. One observation counts for at most OUTLIER_FACTOR times the estimate: on a shared host
-    a round only ever takes longer than
-    its work (another process, a collection), and one slow round must not make a kind of round
-    look slow until the policy, no longer choosing it, never measures it again. One factor
+    a round only ever takes longer than its work (another process, a collection), and one slow
+    round must not make a kind of round look slow until the policy, no longer choosing it, never
+    measures it again. One factor
     serves every k > 0: on the H100 at batch 32 it was 1.11, 1.13 and 1.14 for k = 1, 7 and 15
     (1.20 for AR steps beside a drafter), and every speculative round keeps it current, where a
     factor per k kept, for the ks the policy stopped choosing, whatever their few rounds said. A
