@@ -177,6 +177,7 @@ class _Round:
     # A request it held still ran when it was read: else the loop may have waited for new work since, and its
     # time is not a round's (`_observe_round_time`).
     timed: bool = True
+    mean_position: float = 0.0  # of the sequences that still ran, after its commit (`_observe_round_time`)
 
 
 @dataclass
@@ -427,11 +428,12 @@ class Engine:
         the chained rounds alone, the policy read AR steps as the faster where rounds of k = 3 ran as
         fast (BENCHMARKS, thirty-second session). A prefill's time, the same whatever k, comes per
         token alike to either kind of round. Not a round none of whose requests still ran (`timed`):
-        the loop may have waited for work. Its context is the sequences' mean position now, a
-        round's commit past where it ran: a few positions of hundreds. For a round launched while
-        the one before it ran, the host's own time for it goes too: the device runs one round while
-        the host finishes the last and launches the next, so such a round takes at least that
-        (`RoundCosts`). The periods go into the timings too (`StepTimings.add_period`)."""
+        the loop may have waited for work. Its context is its running sequences' mean position after
+        its commit, which `_finish_round` sums as it commits: a round past where it ran, a few
+        positions of hundreds. For a round launched while the one before it ran, the host's own time
+        for it goes too: the device runs one round while the host finishes the last and launches the
+        next, so such a round takes at least that (`RoundCosts`). The periods go into the timings too
+        (`StepTimings.add_period`)."""
         now = time.perf_counter()
         start = rnd.launched_at if self._last_read_at is None else max(rnd.launched_at, self._last_read_at)
         self._last_read_at = now
@@ -440,7 +442,7 @@ class Engine:
         self.timings.add_period(rnd.k, now - start)
         if rnd.proposer is not None and self.speculation.adapts:
             host = rnd.host_seconds if rnd.chained else 0.0
-            self.speculation.observe_round_time(len(rnd.seqs), rnd.k, now - start, mean_position(rnd.seqs), host)
+            self.speculation.observe_round_time(len(rnd.seqs), rnd.k, now - start, rnd.mean_position, host)
 
     def _room_for_chained_round(self, previous: _Round) -> bool:
         """Whether the next round can start before `previous` is read: the same sequences (none
@@ -896,6 +898,7 @@ class Engine:
         t0 = time.perf_counter()  # the host's own time, not its wait for the device
         width = rnd.k + 1
         keep_rows, verified, accepted = [], [], []
+        positions = 0
         for i, (seq, row) in enumerate(zip(rnd.seqs, rnd.results.tolist(), strict=True)):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # cancelled since, or ended by the round before this one
@@ -905,6 +908,7 @@ class Engine:
             if rnd.verified[i]:
                 seq.stats.record(rnd.verified[i], a)
             seq.num_cached += a + 1
+            positions += seq.num_cached
             self._commit(seq, row[1 : a + 2])
             # Also a sequence that just finished: its blocks may stay in the prefix cache.
             keep_rows.extend(range(i * width, i * width + a + 1))
@@ -912,6 +916,8 @@ class Engine:
                 self.scheduler.offer_committed_blocks(seq)
                 self.scheduler.trim(seq, lookahead)
         rnd.timed = bool(verified)  # some request still ran: the loop did not wait for work
+        if verified:
+            rnd.mean_position = positions / len(verified)
         if rnd.context is not None and keep_rows and self.proposer is rnd.proposer:
             rows_t = to_device(keep_rows, torch.long, self.device)
             try:

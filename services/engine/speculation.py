@@ -3,8 +3,8 @@
 Each round the engine verifies k ≤ B−1 of the drafter's B−1 drafts (k = 0: a plain AR step, no
 draft forward). A verify of k+1 tokens per sequence costs more as k and the batch grow, and draft
 j pays off only when drafts 1..j are all accepted, so the best k falls with load and with
-acceptance. The policy picks, each round, the k that maximises the batch's expected committed
-tokens per second,
+acceptance. The policy picks the k that maximises the batch's expected committed tokens per
+second,
 
     sum_i E[accepted_i + 1 | min(k, cap_i)]  /  (draft(n) [k > 0] + verify(n, k)),
 
@@ -13,7 +13,8 @@ the batch's mean context, corrected online by the wall time rounds of each k act
 host's share and sampling are not in a graph replay, and on a small model they dominate), and the
 acceptance measured online per draft position (`AcceptanceTracker`), its drafts past the first
 scaled by what speculative rounds returned of them (`RealizedDrafts`). `cap_i` is a
-request's own limit (`SamplingParams.num_speculative_tokens`; 0 opts out).
+request's own limit (`SamplingParams.num_speculative_tokens`; 0 opts out). It weighs the ks again
+every WEIGH_ROUNDS rounds of one batch, and at once when the batch or its limits change.
 
 k is chosen from a few buckets, 0, 1, 3, 7, B−1 (and the values of a static table): on a GPU each
 is a set of CUDA graphs per batch-size bucket, so the set stays small; the expected tokens of a
@@ -39,6 +40,9 @@ PROBE_BUDGET = 0.01  # what probes are expected to lose against AR, at most this
 PROBE_COST_RATE = 0.5  # probes are rare: each of their rounds moves their measured cost this far
 OUTLIER_FACTOR = 2.0  # a round's wall time counts as at most this many times the current estimate
 PRIOR_ROUNDS = 4  # a kind of round's cost averages its first rounds from its prior, which counts as this many
+# A batch's k is weighed again after this many rounds: the estimates are moving averages over hundreds of trials and
+# rounds, and weighing every k took the H200's host 30–37 µs a round at batch 32, 2 % of a round (BENCHMARKS).
+WEIGH_ROUNDS = 4
 
 
 def k_buckets(block_size: int, table: dict | None = None) -> tuple[int, ...]:
@@ -103,10 +107,11 @@ class AcceptanceTracker:
         (`dflash_serve.services.bench.policy`, BENCHMARKS)."""
         self.observe_counts(Counter(zip(verified, accepted, strict=True)))
 
-    def observe_counts(self, rounds: Counter[tuple[int, int]]) -> None:
+    def observe_counts(self, rounds: Counter[tuple[int, int]], num_rounds: int = 1) -> None:
         """As `observe_round`, from how many sequences verified v drafts and had a accepted,
-        {(v, a): count}: a batch holds few distinct pairs, counted in C, not sequence by sequence."""
-        # Every speculative round, on the host's critical path: locals and comparisons, not attribute
+        {(v, a): count}, over `num_rounds` rounds of the same k (the positions past it drift back
+        once per round): a batch holds few distinct pairs, counted in C, not sequence by sequence."""
+        # Every few speculative rounds, on the host's critical path: locals and comparisons, not attribute
         # reads and min/max calls (`dflash_serve.services.bench.policy`, BENCHMARKS).
         acceptance, seen, prior_trials = self.acceptance, self.trials, self.prior_trials
         positions = len(acceptance)
@@ -139,7 +144,7 @@ class AcceptanceTracker:
             keep = before / (before + mean_steps) * decay ** (trials - mean_steps)
             acceptance[j] += (1 - keep) * (hits / trials - acceptance[j])
             seen[j] += trials
-        drift, prior = self.drift, self.prior
+        drift, prior = 1 - (1 - self.drift) ** num_rounds, self.prior
         for j in range(deepest, positions):
             acceptance[j] += drift * (prior - acceptance[j])
 
@@ -183,16 +188,16 @@ class RealizedDrafts:
     def factor(self) -> float:
         return min(1.0, self.accepted / self.expected)
 
-    def observe_round(self, k: int, expected: float, accepted: int, sequences: int) -> None:
-        """A round verifying up to k drafts a sequence: of its drafts past the first, in the
-        `sequences` whose first was accepted, the tracker expected `expected` (summed over them)
-        to be accepted and `accepted` were."""
+    def observe_round(self, k: int, expected: float, accepted: int, sequences: int, num_rounds: int = 1) -> None:
+        """`num_rounds` rounds verifying up to k drafts a sequence: of their drafts past the first,
+        in the `sequences` whose first was accepted, the tracker expected `expected` (summed over
+        them) to be accepted and `accepted` were."""
         if k > 1:
             keep = (1 - self.rate) ** sequences
             self.expected = keep * self.expected + expected
             self.accepted = keep * self.accepted + accepted
         elif k == 1:
-            self.accepted += self.drift * (self.expected - self.accepted)
+            self.accepted += (1 - (1 - self.drift) ** num_rounds) * (self.expected - self.accepted)
 
 
 class DriftingEstimates:
@@ -523,17 +528,34 @@ class SpeculationPolicy:
         self.block_size = block_size
         self.ks = k_buckets(block_size, self.table)
         self.costs = costs
-        self.tracker = tracker or AcceptanceTracker(max(block_size - 1, 0))
-        self.realized = RealizedDrafts()
+        self._tracker = tracker or AcceptanceTracker(max(block_size - 1, 0))
+        self._realized = RealizedDrafts()
+        # Rounds observed and not yet taken into the estimates, per k: {(verified, accepted): sequences}, and how many
+        self._unseen: dict[int, Counter[tuple[int, int]]] = {}
+        self._unseen_rounds: Counter[int] = Counter()
         self.probe_interval = probe_interval
         self._ar_rounds = 0  # AR rounds chosen in a row by the adaptive policy
-        self._prior = [self.tracker.prior] * len(self.tracker.acceptance)
+        self._prior = [self._tracker.prior] * len(self._tracker.acceptance)
         self._probe_k = 0  # the last probe's k
         self._probe_rounds_unseen = 0  # of its rounds, those whose wall time is still to come
         # (batch size, limit), the k the prior would choose there, and the AR rounds before its probe
         self._prior_choice: tuple[tuple[int, int] | None, int, int] = (None, 0, 0)
         self._probe_rounds_left = 0
         self._probe_cost: dict[tuple[int, int], float] = {}  # (nearest measured batch size, k) -> a round, in AR steps
+        # The batch (size, caps) last weighed, the k chosen for it, and its rounds left before it is weighed again
+        self._weighed: tuple[tuple | None, int, int] = (None, 0, 0)
+
+    @property
+    def tracker(self) -> AcceptanceTracker:
+        """The acceptance per draft position, every round observed taken in."""
+        self._take_in_rounds()
+        return self._tracker
+
+    @property
+    def realized(self) -> RealizedDrafts:
+        """The realized factor on the drafts past the first, every round observed taken in."""
+        self._take_in_rounds()
+        return self._realized
 
     def needs_costs(self) -> bool:
         """Whether some batch size is left to the adaptive policy (the table does not cover all)."""
@@ -560,7 +582,7 @@ class SpeculationPolicy:
         if self._probe_rounds_left:  # the batch may have changed: at most its limit
             self._probe_rounds_left -= 1
             return self._bucket_at_most(min(self._probe_k, limit))
-        k = self._best_k(n, counts, limit, self.tracker.acceptance, context, realized=True)
+        k = self._weighed_k(n, counts, limit, context)
         if k:
             self._ar_rounds, self._prior_choice = 0, (None, 0, 0)
             return k
@@ -574,9 +596,21 @@ class SpeculationPolicy:
         if k and self._ar_rounds >= interval:
             self._probe_k, self._ar_rounds, self._probe_rounds_left = k, 0, PROBE_ROUNDS - 1
             self._probe_rounds_unseen = PROBE_ROUNDS
-            self._prior_choice = None, 0, 0
+            self._prior_choice = self._weighed = (None, 0, 0)
             return k
         return 0
+
+    def _weighed_k(self, n: int, counts: dict[int, int], limit: int, context: float | None) -> int:
+        """`_best_k` at the current estimates, weighed again after WEIGH_ROUNDS rounds of the same
+        batch (size and caps), at once for another batch or after a probe."""
+        batch, k, left = self._weighed
+        key = n, tuple(counts.items())
+        if key == batch and left:
+            self._weighed = batch, k, left - 1
+            return k
+        k = self._best_k(n, counts, limit, self.tracker.acceptance, context, realized=True)
+        self._weighed = key, k, WEIGH_ROUNDS - 1
+        return k
 
     def rounds_between_probes(self, n: int, k: int, context: float | None = None,
                               counts: dict[int, int] | None = None) -> int:
@@ -636,19 +670,38 @@ class SpeculationPolicy:
 
     def observe_round(self, k: int, verified: Sequence[int], accepted: Sequence[int]) -> None:
         """A round of k: the drafts each sequence verified and had accepted. Only the adaptive
-        choice reads what they teach, and an AR step's teach nothing."""
+        choice reads what they teach, and an AR step's teach nothing. Counted here, and taken into
+        the estimates when they are next read or after WEIGH_ROUNDS rounds (`_take_in_rounds`): the
+        policy reads them when it weighs, and taking each round in took the H200's host ~29 µs at
+        batch 32."""
         if not k or not self.adapts:
             return
-        rounds = Counter(zip(verified, accepted, strict=True))
-        deep = expected_tokens(self.tracker.acceptance[1:])
-        expected, accepted, sequences = 0.0, 0, 0  # drafts past the first, in the sequences whose first was accepted
-        for (v, a), count in rounds.items():
-            if v > 1 and a:
-                expected += count * (deep[v - 1] - 1)
-                accepted += count * (a - 1)
-                sequences += count
-        self.realized.observe_round(k, expected, accepted, sequences)
-        self.tracker.observe_counts(rounds)
+        unseen = self._unseen.get(k)
+        if unseen is None:
+            unseen = self._unseen[k] = Counter()
+        unseen.update(zip(verified, accepted, strict=True))
+        self._unseen_rounds[k] += 1
+        if self._unseen_rounds.total() >= WEIGH_ROUNDS:  # taken in long after they came, the deep drafts'
+            self._take_in_rounds()  # expectations would come from estimates that many rounds old
+
+    def _take_in_rounds(self) -> None:
+        """The rounds observed since the estimates were last read, into them: each k's rounds as one
+        (the tracker weighs a batch's trials at a position as that many trials of their mean), with
+        what the tracker expected of their deep drafts before it learns from them."""
+        if not self._unseen:
+            return
+        unseen, rounds_of, self._unseen, self._unseen_rounds = self._unseen, self._unseen_rounds, {}, Counter()
+        tracker = self._tracker
+        for k, rounds in unseen.items():
+            deep = expected_tokens(tracker.acceptance[1:])
+            expected, accepted, sequences = 0.0, 0, 0  # drafts past the first, in the sequences whose first was accepted
+            for (v, a), count in rounds.items():
+                if v > 1 and a:
+                    expected += count * (deep[v - 1] - 1)
+                    accepted += count * (a - 1)
+                    sequences += count
+            self._realized.observe_round(k, expected, accepted, sequences, rounds_of[k])
+            tracker.observe_counts(rounds, rounds_of[k])
 
     def observe_round_time(self, n: int, k: int, seconds: float, context: float | None = None,
                            host_seconds: float = 0.0) -> None:
