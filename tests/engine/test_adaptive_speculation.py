@@ -237,6 +237,24 @@ def test_the_host_seconds_of_chained_rounds_reach_the_policy(pair, chain_rounds,
     assert {r.host_seconds for r in launched[:-1]} == {0.75}
 
 
+def test_a_rounds_time_is_given_at_its_sequences_position_after_its_commit(pair):
+    """`_finish_round` sums the positions as it commits: the context a round's wall time comes with
+    is where its sequence is once that round's tokens are in, every round a little further."""
+    target, drafter = pair
+    engine = build_engine(target, drafter=drafter, speculation="adaptive", spec_table={1: 3})
+    observed = []
+
+    def observe(n, k, seconds, context, host):
+        (seq,) = engine.sequences.values()
+        observed.append((context, seq.num_cached))
+
+    engine.speculation.observe_round_time = observe
+    engine.generate([[1, 2, 3]], [SamplingParams(temperature=0.0, max_tokens=14)])
+    assert len(observed) >= 3
+    assert all(context == cached for context, cached in observed)
+    assert [c for c, _ in observed] == sorted({c for c, _ in observed})
+
+
 def test_round_wall_times_hold_batch_changes_and_prefills_but_not_the_loops_waits(pair, chain_rounds, monkeypatch):
     """The policy weighs each k by the wall time its rounds add to the loop: from the later of a
     round's launch and the last round's read, to its read — every round, the batch's changes and
