@@ -42,7 +42,7 @@ def _policy(costs=None, acceptance=None, **config) -> SpeculationPolicy:
     return policy
 
 
-def _weighed(policy, caps) -> int:
+def _choice_once_weighed(policy, caps) -> int:
     """The k `policy` chooses once it has weighed its estimates again: it holds a batch's k for
     WEIGH_ROUNDS rounds (rounds it chooses AR count towards a probe)."""
     return [policy.choose(caps) for _ in range(WEIGH_ROUNDS)][-1]
@@ -332,7 +332,7 @@ def test_rounds_that_accept_less_deep_than_the_tracker_expects_make_shallower_ks
     for _ in range(50):
         policy.realized.observe_round(15, 8 * (deep[14] - 1), round(4 * (deep[14] - 1)), 8)
     assert policy.realized.factor == pytest.approx(0.5, abs=0.02)
-    assert _weighed(policy, [None] * 8) == 7
+    assert _choice_once_weighed(policy, [None] * 8) == 7
     # Where a deeper verify costs nothing more, the deepest k stays best: one factor serves every k.
     flat = _policy(_costs(lambda n, k: 1.0, draft=0.2), [0.8] * (B - 1))
     flat.realized.expected, flat.realized.accepted = policy.realized.expected, policy.realized.accepted
@@ -400,7 +400,7 @@ def test_the_factor_scales_only_drafts_past_the_first():
     policy = _policy(costs, [0.5] + [1.0] * (B - 2))
     assert policy.choose([None]) == 3  # 2.5 / 1.65 against 1.5 / 1.2
     policy.realized.expected, policy.realized.accepted = 10.0, 5.0
-    assert _weighed(policy, [None]) == 1  # 2.0 / 1.65 = 1.21 < 1.25
+    assert _choice_once_weighed(policy, [None]) == 1  # 2.0 / 1.65 = 1.21 < 1.25
 
 
 def test_the_policy_learns_and_keeps_exploring_after_it_chose_ar():
