@@ -227,11 +227,11 @@ class DriftingEstimates:
     A key's start moves no drift: from its prior (an AR step's host time for a new k) to its own
     cost is that kind's difference, not the host's.
 
-    A key observed again after rounds that could have been of it and were not (`missed`, counted by
-    the caller) moves its base as an average over rounds would, not over its own observations:
-    1 − (1 − rate)^(missed + 1), up to STALE_WEIGHT; and the drift only where it missed fewer than the
-    drift's own span (1 / drift_rate rounds), else the error is the key's, not the host's. The kinds
-    differ by more than a constant: on the H200 at batch 32, T 1 on alpaca, rounds of k = 3 cost
+    A key observed again after rounds of other keys (the caller's `clock` counts the rounds that could
+    have been of it) moves its base as an average over rounds would, not over its own observations:
+    1 − (1 − rate)^(rounds since), up to STALE_WEIGHT; and the drift only where it was observed within
+    the drift's own span (1 / drift_rate rounds), else the error is the key's, not the host's. The
+    kinds differ by more than a constant: on the H200 at batch 32, T 1 on alpaca, rounds of k = 3 cost
     the host what AR steps did at first and 1.5 times as much later in the same pass (1.04 → 1.66 ms
     against 0.8–1.0), the drift they moved priced AR steps at 2.2–2.4 ms where they took 1.3–1.8, and
     AR steps, observed once in tens of rounds, moved their base by 0.005 each: the policy verified
@@ -246,25 +246,30 @@ class DriftingEstimates:
         self.drift = 1.0
         self.base: dict = {}
         self.trials: dict = {}
+        self.seen_at: dict = {}  # the caller's clock after the key's last observation
 
     def get(self, key) -> float | None:
         """The key's estimate now (None: never observed)."""
         base = self.base.get(key)
         return None if base is None else base * self.drift
 
-    def observe(self, key, value: float, prior: float, missed: int = 0) -> None:
+    def observe(self, key, value: float, prior: float, clock: int | None = None) -> None:
         """A round of `key` measured `value`; `prior`: what the caller took for it until now, where
-        it has no estimate of its own; `missed`: rounds since its last observation that could have
-        been of it and were not. One observation counts for at most OUTLIER_FACTOR times the
-        estimate (see `RoundCosts`)."""
+        it has no estimate of its own; `clock`: the caller's count of rounds that could have been of
+        this key, before this one (None: every round is). One observation counts for at most
+        OUTLIER_FACTOR times the estimate (see `RoundCosts`)."""
         drift, trials = self.drift, self.trials.get(key, 0)
         base = self.base.get(key, prior / drift)
         value = min(value, OUTLIER_FACTOR * base * drift)
+        since = 0 if clock is None else clock - self.seen_at.get(key, clock)  # other keys' rounds since its last
         averaging = 1 / (self.prior_trials + trials + 1)
-        weight = max(self.rate, averaging, min(STALE_WEIGHT, 1 - (1 - self.rate) ** (missed + 1)))
+        stale = min(STALE_WEIGHT, 1 - (1 - self.rate) ** (since + 1))
+        weight = max(self.rate, averaging, stale)
         base += weight * (value / drift - base)
         self.base[key], self.trials[key] = base, trials + 1
-        if averaging <= self.rate and missed * self.drift_rate < 1:  # settled, and observed within the drift's span
+        if clock is not None:
+            self.seen_at[key] = clock + 1
+        if averaging <= self.rate and since * self.drift_rate < 1:  # settled, and observed within the drift's span
             self.drift = drift + self.drift_rate * (value / base - drift)
 
 
@@ -353,11 +358,7 @@ class RoundCosts:
         # (k > 0, index of the nearest batch size) -> wall / predicted; (k, that index) -> host seconds a chained round
         self.wall_factor = DriftingEstimates(rate=own_rate, drift_rate=wall_rate)
         self.host = DriftingEstimates(rate=own_rate, drift_rate=wall_rate)
-        # Rounds observed per (kind, measured size), and for each k's host time the other kind's count when it was
-        # last observed: what it missed (`DriftingEstimates`). Per kind, not per k: a policy that moves between ks
-        # of one kind measures each often, and weighed as rounds missed, their host times followed their rounds' noise.
-        self._kind_rounds: Counter[tuple[bool, int]] = Counter()
-        self._other_kind_at: dict[tuple[int, int], int] = {}
+        self._rounds_at = [0] * len(self.batch_sizes)  # rounds observed per measured size: the estimates' clocks
         self._by_size: dict[int, tuple[int, dict[int, tuple[float, float]]]] = {}  # `_size_terms`
 
     def _blend(self, n: int) -> tuple[int, int, float, float]:
@@ -441,23 +442,21 @@ class RoundCosts:
         next round meanwhile (chained rounds; 0: none given)."""
         at = self.nearest(n)
         key = (k > 0, at)
-        self._kind_rounds[key] += 1
-        other = self._kind_rounds[not key[0], at]
-        missed = other - self._other_kind_at.get((k, at), other)  # the other kind's rounds since its last
-        self._other_kind_at[k, at] = other
+        clock = self._rounds_at[at]
+        self._rounds_at[at] += 1
         device = self.predicted_seconds(n, k, context)
         if host_seconds > 0 and device > 0:
             # From what the model used until now (an AR step's host time, or the device's
             # prediction), so that one slow round (the first after start-up, a collection) cannot
             # make a k look dear until the policy never tries it again.
-            self.host.observe((k, at), host_seconds, max(self._host(k, at), device), missed)
+            self.host.observe((k, at), host_seconds, max(self._host(k, at), device), clock)
         # The wall time over the round's own bound: its own host time where given, not the moving
         # average, which lags it, so that the factor does not count that lag on top of the host time.
         bound = max(host_seconds if host_seconds > 0 else self._host(k, at), device)
         if bound <= 0 or seconds <= 0:
             return
-        # At its rate: a round's wall over its host time holds the rounds' heavy tail (a prefill's milliseconds in one
-        # round of eight at c = 32), and one such round weighed as many would move the factor by a quarter.
+        # Without the clock: a round's wall over its host time holds the rounds' heavy tail (a prefill's milliseconds
+        # in one round of eight at c = 32), and one such round weighed as many would move the factor by a quarter.
         self.wall_factor.observe(key, seconds / bound, self._wall_factor(*key))
 
     def _wall_factor(self, speculative: bool, at: int) -> float:
