@@ -36,21 +36,10 @@ from dflash_serve.services.config import EngineConfig
 
 BASE_K_BUCKETS = (0, 1, 3, 7)
 PROBE_ROUNDS = 2  # a probe's rounds in a row: a round's wall time holds the next one's launch, of the same k
-# The first rounds of a kind (AR or speculative) after the other's carry the switch, and their times go to no estimate:
-# on the H200 at batch 32 (T 1, alpaca) AR steps right after speculative rounds cost the host 1.15 and 1.06 ms, then
-# 0.92–0.97, and speculative rounds right after AR steps 1.15–1.2 against 1.27–1.41 later (BENCHMARKS).
-SWITCH_ROUNDS = 2
-AR_PROBE_ROUNDS = SWITCH_ROUNDS + PROBE_ROUNDS  # an AR probe's rounds: its last PROBE_ROUNDS are measured
 PROBE_BUDGET = 0.01  # what probes are expected to lose against AR, at most this share of the AR steps' time
-# What AR probes (AR steps amid speculative rounds) are expected to lose, at most this share of the speculative
-# rounds' tokens: half the probes', as they come where speculating pays, within the 2 % a policy may lose to fixed B.
-AR_PROBE_BUDGET = 0.005
 PROBE_COST_RATE = 0.5  # probes are rare: each of their rounds moves their measured cost this far
 OUTLIER_FACTOR = 2.0  # a round's wall time counts as at most this many times the current estimate
 PRIOR_ROUNDS = 4  # a kind of round's cost averages its first rounds from its prior, which counts as this many
-# At most, what one round of a k long unobserved moves its host time: one round's varies by ~25 % (H200, c = 32), and a
-# quarter keeps that to ~6 % of the estimate
-STALE_WEIGHT = 0.25
 # A batch's k is weighed again after this many rounds: the estimates are moving averages over hundreds of trials and
 # rounds, and weighing every k took the H200's host 30–37 µs a round at batch 32, 2 % of a round (BENCHMARKS).
 WEIGH_ROUNDS = 4
@@ -226,16 +215,6 @@ class DriftingEstimates:
     steps took 0.97–1.04, verified k = 3 in 96 % of the rounds, and ran 0.95 × AR (BENCHMARKS).
     A key's start moves no drift: from its prior (an AR step's host time for a new k) to its own
     cost is that kind's difference, not the host's.
-
-    A key observed again after rounds of other keys (the caller's `clock` counts the rounds that could
-    have been of it) moves its base as an average over rounds would, not over its own observations:
-    1 − (1 − rate)^(rounds since), up to STALE_WEIGHT; and the drift only where it was observed within
-    the drift's own span (1 / drift_rate rounds), else the error is the key's, not the host's. The
-    kinds differ by more than a constant: on the H200 at batch 32, T 1 on alpaca, rounds of k = 3 cost
-    the host what AR steps did at first and 1.5 times as much later in the same pass (1.04 → 1.66 ms
-    against 0.8–1.0), the drift they moved priced AR steps at 2.2–2.4 ms where they took 1.3–1.8, and
-    AR steps, observed once in tens of rounds, moved their base by 0.005 each: the policy verified
-    k = 3 for 1.26 tokens a sequence-round at 1.4 AR steps in every round of the pass's second half.
     """
 
     def __init__(self, *, rate: float = 0.005, drift_rate: float = 0.05, prior_trials: int = PRIOR_ROUNDS):
@@ -246,30 +225,23 @@ class DriftingEstimates:
         self.drift = 1.0
         self.base: dict = {}
         self.trials: dict = {}
-        self.seen_at: dict = {}  # the caller's clock after the key's last observation
 
     def get(self, key) -> float | None:
         """The key's estimate now (None: never observed)."""
         base = self.base.get(key)
         return None if base is None else base * self.drift
 
-    def observe(self, key, value: float, prior: float, clock: int | None = None) -> None:
+    def observe(self, key, value: float, prior: float) -> None:
         """A round of `key` measured `value`; `prior`: what the caller took for it until now, where
-        it has no estimate of its own; `clock`: the caller's count of rounds that could have been of
-        this key, before this one (None: every round is). One observation counts for at most
-        OUTLIER_FACTOR times the estimate (see `RoundCosts`)."""
+        it has no estimate of its own. One observation counts for at most OUTLIER_FACTOR times the
+        estimate (see `RoundCosts`)."""
         drift, trials = self.drift, self.trials.get(key, 0)
         base = self.base.get(key, prior / drift)
         value = min(value, OUTLIER_FACTOR * base * drift)
-        since = 0 if clock is None else clock - self.seen_at.get(key, clock)  # other keys' rounds since its last
-        averaging = 1 / (self.prior_trials + trials + 1)
-        stale = min(STALE_WEIGHT, 1 - (1 - self.rate) ** (since + 1))
-        weight = max(self.rate, averaging, stale)
+        weight = max(self.rate, 1 / (self.prior_trials + trials + 1))
         base += weight * (value / drift - base)
         self.base[key], self.trials[key] = base, trials + 1
-        if clock is not None:
-            self.seen_at[key] = clock + 1
-        if averaging <= self.rate and since * self.drift_rate < 1:  # settled, and observed within the drift's span
+        if weight == self.rate:  # settled
             self.drift = drift + self.drift_rate * (value / base - drift)
 
 
@@ -358,7 +330,6 @@ class RoundCosts:
         # (k > 0, index of the nearest batch size) -> wall / predicted; (k, that index) -> host seconds a chained round
         self.wall_factor = DriftingEstimates(rate=own_rate, drift_rate=wall_rate)
         self.host = DriftingEstimates(rate=own_rate, drift_rate=wall_rate)
-        self._rounds_at = [0] * len(self.batch_sizes)  # rounds observed per measured size: the estimates' clocks
         self._by_size: dict[int, tuple[int, dict[int, tuple[float, float]]]] = {}  # `_size_terms`
 
     def _blend(self, n: int) -> tuple[int, int, float, float]:
@@ -442,21 +413,17 @@ class RoundCosts:
         next round meanwhile (chained rounds; 0: none given)."""
         at = self.nearest(n)
         key = (k > 0, at)
-        clock = self._rounds_at[at]
-        self._rounds_at[at] += 1
         device = self.predicted_seconds(n, k, context)
         if host_seconds > 0 and device > 0:
             # From what the model used until now (an AR step's host time, or the device's
             # prediction), so that one slow round (the first after start-up, a collection) cannot
             # make a k look dear until the policy never tries it again.
-            self.host.observe((k, at), host_seconds, max(self._host(k, at), device), clock)
+            self.host.observe((k, at), host_seconds, max(self._host(k, at), device))
         # The wall time over the round's own bound: its own host time where given, not the moving
         # average, which lags it, so that the factor does not count that lag on top of the host time.
         bound = max(host_seconds if host_seconds > 0 else self._host(k, at), device)
         if bound <= 0 or seconds <= 0:
             return
-        # Without the clock: a round's wall over its host time holds the rounds' heavy tail (a prefill's milliseconds
-        # in one round of eight at c = 32), and one such round weighed as many would move the factor by a quarter.
         self.wall_factor.observe(key, seconds / bound, self._wall_factor(*key))
 
     def _wall_factor(self, speculative: bool, at: int) -> float:
@@ -550,13 +517,6 @@ class SpeculationPolicy:
     cost model's estimate: that has one wall factor for every k > 0, learnt mostly from the deeper
     rounds, and on the CPU at batch 8 (T 1, alpaca) it read a probe's round of k = 1 as ~1.4 AR
     steps where probes took 1.5–2.4, and probes cost twice their budget.
-
-    The other way too: after `rounds_between_ar_probes` speculative rounds in a row, an AR probe of
-    AR_PROBE_ROUNDS AR steps measures what an AR step costs now, as rarely as keeps what it is expected
-    to lose within AR_PROBE_BUDGET of the speculative rounds' tokens. Without them a policy that
-    speculated priced AR steps by what the speculative rounds showed of the host (`DriftingEstimates`),
-    and where those grew dearer than AR steps did, it never saw that AR had become the faster
-    (BENCHMARKS, thirty-fifth session).
     """
 
     def __init__(self, config: EngineConfig, block_size: int, costs: RoundCosts | None = None,
@@ -582,9 +542,6 @@ class SpeculationPolicy:
         self._prior_choice: tuple[tuple[int, int] | None, int, int] = (None, 0, 0)
         self._probe_rounds_left = 0
         self._probe_cost: dict[tuple[int, int], float] = {}  # (nearest measured batch size, k) -> a round, in AR steps
-        # Speculative rounds chosen in a row, how many before an AR probe, and the AR probe's rounds left
-        self._spec_rounds = self._ar_probe_after = self._ar_probe_rounds_left = 0
-        self._kind_run = (False, 0)  # the kind of the rounds last observed (speculative?) and how many in a row
         # The batch (size, caps) last weighed, the k chosen for it, and its rounds left before it is weighed again
         self._weighed: tuple[tuple | None, int, int] = (None, 0, 0)
 
@@ -625,20 +582,10 @@ class SpeculationPolicy:
         if self._probe_rounds_left:  # the batch may have changed: at most its limit
             self._probe_rounds_left -= 1
             return self._bucket_at_most(min(self._probe_k, limit))
-        if self._ar_probe_rounds_left:
-            self._ar_probe_rounds_left -= 1
-            return 0
         k = self._weighed_k(n, counts, limit, context)
         if k:
             self._ar_rounds, self._prior_choice = 0, (None, 0, 0)
-            self._spec_rounds += 1
-            if self._spec_rounds < self._ar_probe_after:
-                return k
-            # An AR probe: an AR step's cost is measured only in AR steps, and the policy that speculates
-            # takes none; weighed again after it, at what it measured.
-            self._spec_rounds, self._ar_probe_rounds_left, self._weighed = 0, AR_PROBE_ROUNDS - 1, (None, 0, 0)
-            return 0
-        self._spec_rounds = 0
+            return k
         self._ar_rounds += 1
         if self._ar_rounds < self.probe_interval:
             return 0
@@ -663,8 +610,6 @@ class SpeculationPolicy:
             return k
         k = self._best_k(n, counts, limit, self.tracker.acceptance, context, realized=True)
         self._weighed = key, k, WEIGH_ROUNDS - 1
-        if k:
-            self._ar_probe_after = self.rounds_between_ar_probes(n, k, context, counts)
         return k
 
     def rounds_between_probes(self, n: int, k: int, context: float | None = None,
@@ -679,20 +624,6 @@ class SpeculationPolicy:
         gain = sum(tokens[min(k, cap)] * m for cap, m in (counts or {k: n}).items()) / n
         lost = PROBE_ROUNDS * (self._probe_seconds(n, k, ar, context) / ar - gain)  # in AR steps
         return max(self.probe_interval, math.ceil(lost / PROBE_BUDGET - 1e-9))
-
-    def rounds_between_ar_probes(self, n: int, k: int, context: float | None = None,
-                                 counts: dict[int, int] | None = None) -> int:
-        """Speculative rounds of k in a row at batch n (caps `counts`, as for `rounds_between_probes`)
-        before an AR probe: `probe_interval`, or as many as keep what the probe's AR steps are expected to
-        lose — the tokens rounds of k would commit in their time, less theirs — within AR_PROBE_BUDGET of
-        the tokens those rounds commit."""
-        ar, seconds = self.costs.round_seconds(n, 0, context), self.costs.round_seconds(n, k, context)
-        tokens = self._round_tokens(self.tracker.acceptance, k, realized=True)
-        gain = sum(tokens[min(k, cap)] * m for cap, m in (counts or {k: n}).items()) / n  # a sequence's, a round
-        if seconds <= 0:
-            return self.probe_interval
-        lost = AR_PROBE_ROUNDS * (gain * ar / seconds - 1)  # tokens a sequence
-        return max(self.probe_interval, math.ceil(lost / (AR_PROBE_BUDGET * gain) - 1e-9))
 
     def _probe_seconds(self, n: int, k: int, ar: float, context: float | None) -> float:
         """A probe round's seconds at batch n, given an AR step's (`ar`): as probes of k took, else the estimate."""
@@ -789,8 +720,4 @@ class SpeculationPolicy:
                 at = (self.costs.nearest(n), k)
                 old = self._probe_cost.get(at, self._probe_seconds(n, k, ar, context) / ar)
                 self._probe_cost[at] = old + PROBE_COST_RATE * (min(seconds / ar, OUTLIER_FACTOR * old) - old)
-        speculative, run = self._kind_run
-        run = run + 1 if (k > 0) == speculative else 1
-        self._kind_run = k > 0, run
-        if run > SWITCH_ROUNDS:
-            self.costs.observe_round(n, k, seconds, context, host_seconds)
+        self.costs.observe_round(n, k, seconds, context, host_seconds)

@@ -15,12 +15,8 @@ from dflash_serve.services.engine.speculation import (
     PRIOR_ROUNDS,
     PROBE_BUDGET,
     PROBE_ROUNDS,
-    STALE_WEIGHT,
-    SWITCH_ROUNDS,
     WEIGH_ROUNDS,
-    AR_PROBE_ROUNDS,
     AcceptanceTracker,
-    DriftingEstimates,
     RealizedDrafts,
     RoundCosts,
     SpeculationPolicy,
@@ -50,14 +46,6 @@ def _choice_once_weighed(policy, caps) -> int:
     """The k `policy` chooses once it has weighed its estimates again: it holds a batch's k for
     WEIGH_ROUNDS rounds (rounds it chooses AR count towards a probe)."""
     return [policy.choose(caps) for _ in range(WEIGH_ROUNDS)][-1]
-
-
-def _ar_steps_are_ar_probes(chosen) -> bool:
-    """Whether every AR step among speculative rounds is an AR probe's: runs of AR_PROBE_ROUNDS, at least
-    `probe_interval` (8) speculative rounds apart."""
-    runs = [(k > 0, len(list(run))) for k, run in itertools.groupby(chosen, key=bool)]
-    inner = runs[1:-1] if runs[0][0] else runs[2:-1]  # whole runs between speculative ones
-    return all(n == AR_PROBE_ROUNDS for spec, n in inner if not spec) and all(n >= 8 for spec, n in inner if spec)
 
 
 def _best_k_by_brute_force(costs, acceptance, caps):
@@ -420,7 +408,7 @@ def test_the_policy_learns_and_keeps_exploring_after_it_chose_ar():
     policy = _policy(costs)
     assert policy.choose([None]) == 15  # the optimistic prior speculates at once
     chosen = []
-    while chosen[-AR_PROBE_ROUNDS - 1:] != [0] * (AR_PROBE_ROUNDS + 1):  # always rejected; past AR probes' runs
+    while not chosen or chosen[-1] > 0:  # a drafter whose drafts are always rejected
         chosen.append(policy.choose([None]))
         policy.observe_round(chosen[-1], [chosen[-1]], [0])
         assert len(chosen) < 500
@@ -539,20 +527,15 @@ def test_a_probe_of_every_draft_returns_the_policy_to_speculating_after_a_hard_s
         policy.observe_round(k, [k], [accepted])
         policy.observe_round_time(1, k, {0: 86.0, 1: 152.0}.get(k, 169.0))
         chosen.append(k)
-    assert chosen[:first_probe] == [0] * first_probe and set(chosen[first_probe:]) == {0, 15}
-    # AR steps after it only as AR probes, as rarely as AR_PROBE_BUDGET allows: each of their 4 rounds loses
-    # ~3 of a round of k = 15's ~8 tokens, and they come every ~300 of those rounds.
-    assert _ar_steps_are_ar_probes(chosen[first_probe:]) and chosen[first_probe:].count(0) <= 4 * AR_PROBE_ROUNDS
-    assert 280 < policy.rounds_between_ar_probes(1, 15) < 340
+    assert chosen[:first_probe] == [0] * first_probe and set(chosen[first_probe:]) == {15}
 
 
 def test_a_first_draft_estimate_under_the_break_even_is_probed_back_soon():
     """T 1 alpaca at c = 1 on the H200: a k = 15 round (1.167 ms) pays over an AR step (0.959) once
     the first draft is accepted in more than ~0.20 of rounds, and fixed B's were in 0.238. An estimate
     that the noise of its trials took to 0.14 is probed after 8 AR steps — each of its rounds is expected
-    to lose ~0.03 AR steps — and the policy speculates in every round from round 500 on, but for AR
-    probes, which lose as little. Probes spaced by their extra time came every 64 AR steps, and 126 of
-    those 1,000 rounds were AR steps."""
+    to lose ~0.03 AR steps — and the policy speculates in every round from round 500 on. Probes spaced
+    by their extra time came every 64 AR steps, and 126 of those 1,000 rounds were AR steps."""
     ms = {0: 0.959, 1: 1.14, 3: 1.1498, 7: 1.1673, 15: 1.1673}  # the policy's costs at the end of that run
     policy = SpeculationPolicy(EngineConfig(target="t"), B, RoundCosts([1], {k: [v] for k, v in ms.items()}, [0.0]))
     policy.tracker.acceptance = [0.14, 0.21, 0.29, 0.4, 0.5] + [0.0] * (B - 6)  # fixed B: 0.238, then as here
@@ -568,7 +551,7 @@ def test_a_first_draft_estimate_under_the_break_even_is_probed_back_soon():
         policy.observe_round(k, [k], [min(k, sum(u < g for g in accepted_at))])
         policy.observe_round_time(1, k, ms[k])
         chosen.append(k)
-    assert _ar_steps_are_ar_probes(chosen[500:]) and chosen[500:].count(0) < 100
+    assert 0 not in chosen[500:]
 
 
 def test_no_probes_where_no_acceptance_could_make_speculation_pay():
@@ -596,8 +579,7 @@ def test_wall_times_of_rounds_correct_the_start_up_costs():
     # ~200 AR steps (PROBE_BUDGET)
     assert 150 < policy.rounds_between_probes(8, 15) <= 210
     assert set(chosen[-500:]) == {0, 15} and chosen[-500:].count(15) <= 6
-    assert 2.0 < costs.round_seconds(8, 15) <= 3.0  # a moving average, fed by the rounds speculated (not probes':
-    # the first SWITCH_ROUNDS of a kind go to no estimate)
+    assert 2.4 < costs.round_seconds(8, 15) <= 3.0  # a moving average, fed by the rounds speculated
     assert costs.round_seconds(8, 0) == pytest.approx(1.0)
     # Another batch size keeps its own correction (none yet: the prediction).
     assert costs.round_seconds(32, 15) == pytest.approx(1.0)
@@ -628,9 +610,8 @@ def test_where_the_host_takes_longer_than_the_device_every_k_costs_the_host_time
     acceptance = [0.5, 0.5, 0.5, 0.55, 0.6, 0.6, 0.6] + [0.9] * (B - 8)
     chained, unchained = _policy(_costs(device), acceptance), _policy(_costs(device), acceptance)
     for _ in range(200):
-        for k in chained.ks:  # each k keeps its own host time (rounds of a kind after the other's: none)
-            for _ in range(SWITCH_ROUNDS + 1):
-                chained.observe_round_time(32, k, 2.1e-3, host_seconds=2.0e-3)
+        for k in chained.ks:  # each k keeps its own host time
+            chained.observe_round_time(32, k, 2.1e-3, host_seconds=2.0e-3)
         for k in (3, 15):
             unchained.observe_round_time(32, k, 2.1e-3 if k == 3 else 2.2e-3)
     costs = chained.costs
@@ -712,76 +693,15 @@ def test_a_kind_the_policy_stopped_choosing_follows_the_hosts_speed():
         for _ in range(count):
             policy.observe_round_time(32, k, 1.02 * speed * host[k], host_seconds=speed * host[k])
 
-    for _ in range(100):  # a slow pass: both kinds measured (each run's rounds after its first SWITCH_ROUNDS)
-        rounds(0, SWITCH_ROUNDS + 2, 1.3)
-        rounds(3, SWITCH_ROUNDS + 2, 1.3)
+    for _ in range(100):  # a slow pass: both kinds measured
+        rounds(0, 2, 1.3)
+        rounds(3, 2, 1.3)
     assert policy.choose([None] * 32) == 0
     rounds(3, 300, 1.0)  # the host speeds up while the policy speculates (a probe, an acceptance high for a while)
     assert policy.costs.round_seconds(32, 0) == pytest.approx(1.02 * host[0], rel=0.03)
     assert policy.choose([None] * 32) == 0
     # Each kind's own difference stays its own: k = 3 still costs 1.4 AR steps.
     assert policy.costs.round_seconds(32, 3) / policy.costs.round_seconds(32, 0) == pytest.approx(1.4, rel=0.03)
-
-
-def test_a_key_observed_after_other_keys_rounds_moves_its_own_base_as_over_rounds():
-    """A key observed in every round moves its base at `rate` and the shared drift; one observed again
-    after g rounds of another moves its base by 1 − (1 − rate)^(g + 1), at most STALE_WEIGHT, and the
-    drift only if g is within the drift's span (1 / drift_rate rounds)."""
-    est = DriftingEstimates(rate=0.005, drift_rate=0.05, prior_trials=0)
-    clock = 0
-    for _ in range(300):  # both settled, each at 1.0
-        for key in ("a", "b"):
-            est.observe(key, 1.0, 1.0, clock)
-            clock += 1
-    for _ in range(30):  # 30 rounds of b alone
-        est.observe("b", 1.0, 1.0, clock)
-        clock += 1
-    drift, base = est.drift, est.base["a"]
-    est.observe("a", 2.0, 1.0, clock)  # 31 rounds of b since a's last: its own error, not the host's
-    weight = 1 - (1 - 0.005) ** 32
-    assert est.base["a"] == pytest.approx(base + weight * (2.0 / drift - base)) and est.drift == drift
-    for _ in range(2000):
-        est.observe("b", 1.0, 1.0, clock := clock + 1)
-    base = est.base["a"]
-    est.observe("a", 2.0, 1.0, clock := clock + 1)  # long unobserved: at most STALE_WEIGHT
-    assert est.base["a"] == pytest.approx(base + STALE_WEIGHT * (2.0 / est.drift - base))
-    drift = est.drift
-    est.observe("a", 2.0, 1.0, clock + 1)  # the next round: its rate, and the drift moves
-    assert est.drift > drift
-    # Without a clock every round is the key's own: its rate, as before.
-    plain = DriftingEstimates(rate=0.005, drift_rate=0.05, prior_trials=0)
-    for _ in range(300):
-        plain.observe("a", 1.0, 1.0)
-    plain.observe("a", 2.0, 1.0)
-    assert plain.base["a"] == pytest.approx(1.0 + 0.005 * (2.0 / 1.0 - 1.0))
-
-
-def test_ar_steps_are_measured_amid_speculation_and_the_policy_returns_to_them():
-    """The H200 at batch 32, T 1 on alpaca, traced (BENCHMARKS, thirty-fifth session): rounds of k = 3
-    cost the host what AR steps did early in a pass (~1.05 ms), then 1.5 times as much (1.4–1.66 against
-    0.8–1.0), while the policy speculated. The drift they moved priced AR steps at 2.2–2.4 ms where they
-    took 1.3–1.8, nothing measured an AR step again, and the policy verified k = 3 for 1.26 tokens a
-    sequence-round in every round of the pass's second half. AR probes measure AR steps amid the
-    speculative rounds, each moves its long-unobserved estimate as rounds would, and the policy returns
-    to AR steps; before, it never did."""
-    acceptance = [0.2, 0.2, 0.3] + [0.1] * (B - 4)  # a round of k = 3: 1.25 tokens a sequence
-    policy = _policy(_costs(lambda n, k: 0.9e-3, ks=(0, 3)), acceptance)
-    host = {0: 1.0e-3, 3: 1.0e-3}
-
-    def rounds(count):
-        chosen = []
-        for _ in range(count):
-            k = policy.choose([None] * 32)
-            policy.observe_round_time(32, k, 1.5 * host[k], host_seconds=host[k])
-            chosen.append(k)
-        return chosen
-
-    early = rounds(500)  # as costly as AR steps, k = 3 returns 1.25 tokens for one: AR steps only as AR probes
-    assert _ar_steps_are_ar_probes(early[100:]) and early[100:].count(3) > 380
-    host[3] = 1.5e-3  # then 1.5 times an AR step's host time: 1.25 tokens for 1.5 AR steps
-    late = rounds(3000)
-    assert policy.costs.round_seconds(32, 0) == pytest.approx(1.5e-3, rel=0.05)
-    assert late[-1000:].count(0) > 900, collections.Counter(late[-1000:])
 
 
 def test_the_wall_factor_of_chained_rounds_does_not_count_the_host_averages_lag():
