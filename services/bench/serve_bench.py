@@ -340,13 +340,13 @@ class EmbeddedBackend:
         """The engine's phase times so far (`StepTimings`, a copy): a run's are the difference."""
         return self.engine.timings.copy()
 
-    def policy_estimates(self, n: int) -> dict | None:
-        """The adaptive policy's view of a batch of n (at most the engine's largest) now
-        (`SpeculationPolicy.estimates`); None where no adaptive choice runs."""
+    def policy_estimates(self, n: int, context: float | None) -> dict | None:
+        """The adaptive policy's view of a batch of n (at most the engine's largest) at mean position
+        `context` now (`SpeculationPolicy.estimates`); None where no adaptive choice runs."""
         policy = self.engine.speculation
         if not policy.adapts or policy.costs is None:
             return None
-        return policy.estimates(min(n, self.engine.config.max_num_seqs))
+        return policy.estimates(min(n, self.engine.config.max_num_seqs), context)
 
     def clear_prefix_cache(self) -> None:
         """Forget what earlier runs cached (nothing is running between runs), so that a run finds
@@ -838,13 +838,17 @@ def _counters(backend) -> tuple:
 def _run_metrics(name: str, load: Load, num_prompts: int, records: list[RequestRecord], duration: float,
                  before: tuple, backend) -> dict:
     """A run's report from its records and what the backend's counters moved since `before`; an
-    embedded adaptive engine adds its policy's estimates at the run's end, at the run's fullest batch."""
+    embedded adaptive engine adds its policy's estimates at the run's end, at the run's fullest batch and
+    its rounds' mean context (at the costs' own, k = 7 read cheaper than k = 3 where the policy, pricing
+    each round at its own, never did: BENCHMARKS, thirty-fifth session)."""
     after = _counters(backend)
     server_spec, prefix_cache, timings = (None if b is None else a - b for a, b in zip(after, before, strict=True))
     # vLLM's keys: a closed loop of c clients is its infinite rate with at most c in flight.
     rate = load.request_rate if load.request_rate not in (None, math.inf) else "inf"
     batch = min(load.concurrency or num_prompts, num_prompts)  # the most sequences the run held at once
-    policy = getattr(backend, "policy_estimates", lambda n: None)(batch)
+    rounds = sum(timings.period_rounds_by_k.values()) if timings is not None else 0
+    context = timings.period_context / rounds if rounds else None
+    policy = getattr(backend, "policy_estimates", lambda n, context: None)(batch, context)
     return {"dataset": name, "concurrency": load.concurrency, "request_rate": rate,
             "max_concurrency": load.concurrency, "burstiness": 1.0, "num_prompts": num_prompts,
             **summarize(records, duration, server_spec, prefix_cache), "engine_ms_per_round": round_times_ms(timings),

@@ -106,14 +106,16 @@ class StepTimings:
     # the loop, batch changes and prefills included): what the adaptive policy weighs.
     period_rounds_by_k: dict[int, int] = dataclasses.field(default_factory=dict)
     period_by_k: dict[int, float] = dataclasses.field(default_factory=dict)
+    period_context: float = 0.0  # those rounds' mean positions, summed: the context the policy priced them at
 
     def copy(self) -> StepTimings:
         return dataclasses.replace(self, **{f.name: dict(getattr(self, f.name)) for f in dataclasses.fields(self)
                                             if isinstance(getattr(self, f.name), dict)})
 
-    def add_period(self, k: int, seconds: float) -> None:
+    def add_period(self, k: int, seconds: float, context: float) -> None:
         self.period_rounds_by_k[k] = self.period_rounds_by_k.get(k, 0) + 1
         self.period_by_k[k] = self.period_by_k.get(k, 0.0) + seconds
+        self.period_context += context
 
     def __sub__(self, before: StepTimings) -> StepTimings:
         def minus(now, then):
@@ -439,7 +441,7 @@ class Engine:
         self._last_read_at = now
         if not rnd.timed:
             return
-        self.timings.add_period(rnd.k, now - start)
+        self.timings.add_period(rnd.k, now - start, rnd.mean_position)
         if rnd.proposer is not None and self.speculation.adapts:
             host = rnd.host_seconds if rnd.chained else 0.0
             self.speculation.observe_round_time(len(rnd.seqs), rnd.k, now - start, rnd.mean_position, host)

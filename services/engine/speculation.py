@@ -658,12 +658,14 @@ class SpeculationPolicy:
         return [1.0] + [1 + first * (1 + factor * (e - 1)) for e in expected_tokens(acceptance[1:limit])]
 
     def estimates(self, n: int, context: float | None = None) -> dict:
-        """What the adaptive choice weighs for a batch of n unlimited sequences now, for reports
-        (`dflash bench`): per k bucket the round's expected tokens a sequence and its predicted wall
-        ms; the acceptance per draft position; the realized factor on the drafts past the first."""
+        """What the adaptive choice weighs for a batch of n unlimited sequences at mean position
+        `context` (None: the costs' own) now, for reports (`dflash bench`): per k bucket the round's
+        expected tokens a sequence and its predicted wall ms; the acceptance per draft position; the
+        realized factor on the drafts past the first."""
         tokens = self._round_tokens(self.tracker.acceptance, self.block_size - 1, realized=True)
         rounds = self.costs.round_seconds_by_k(n, context)
-        return {"batch": n, "acceptance": [round(a, 4) for a in self.tracker.acceptance],
+        return {"batch": n, "context": context if context is None else round(context, 1),
+                "acceptance": [round(a, 4) for a in self.tracker.acceptance],
                 "realized_factor": round(self.realized.factor, 4),
                 "expected_tokens": {k: round(tokens[k], 4) for k, _ in rounds},
                 "round_ms": {k: round(1e3 * seconds, 4) for k, seconds in rounds}}

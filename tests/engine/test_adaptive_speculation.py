@@ -278,25 +278,27 @@ def test_round_wall_times_hold_batch_changes_and_prefills_but_not_the_loops_wait
         engine._launch_round = lambda *a: (launch(*a), clock.__setitem__(0, clock[0] + 1))[0]  # after its start
         if choose is not None:
             engine.speculation.choose = choose
-        observed = []
-        engine.speculation.observe_round_time = lambda n, k, seconds, context, host: observed.append((n, k, seconds))
-        return engine, observed
+        observed, contexts = [], []
+        engine.speculation.observe_round_time = lambda n, k, seconds, context, host: (
+            observed.append((n, k, seconds)), contexts.append(context))
+        return engine, observed, contexts
 
-    engine, observed = engine_on_the_clock()
+    engine, observed, contexts = engine_on_the_clock()
     engine.generate([[1, 2, 3], [7, 9, 11]], [SamplingParams(temperature=0.0, max_tokens=m) for m in (4, 14)])
     assert (1, 3, 1.0) in observed  # the second request's rounds once the first ended
     assert observed[0] == (2, 3, 2.0 if chain_rounds else 1.0)  # chained: its launch and the next one's
     tm = engine.timings
     assert tm.period_rounds_by_k == {3: len(observed)}
     assert tm.period_by_k[3] == pytest.approx(sum(seconds for _, _, seconds in observed))
+    assert tm.period_context == pytest.approx(sum(contexts)) and min(contexts) > 0  # what the bench reports at
 
-    engine, observed = engine_on_the_clock(max_num_seqs=2)
+    engine, observed, _ = engine_on_the_clock(max_num_seqs=2)
     engine.generate([[1, 2, 3], [7, 9, 11], [4, 5, 6]], [SamplingParams(temperature=0.0, max_tokens=m) for m in (4, 14, 6)])
     # Chained, the third request's prefill, when it joined the second's batch, is in the period of the round in
     # flight across it; synced, no round runs across a prefill.
     assert sum(seconds >= 1000 for _, _, seconds in observed) == (1 if chain_rounds else 0)
 
-    engine, observed = engine_on_the_clock()
+    engine, observed, _ = engine_on_the_clock()
     engine.generate([[1, 2, 3]], [SamplingParams(temperature=0.0, max_tokens=5)])
     clock[0] += 1e6  # no request: the loop waits
     engine.generate([[7, 9, 11]], [SamplingParams(temperature=0.0, max_tokens=5)])
@@ -304,6 +306,6 @@ def test_round_wall_times_hold_batch_changes_and_prefills_but_not_the_loops_wait
     assert max(engine.timings.period_by_k.values()) < 1e6
 
     order = itertools.cycle([3, 0])  # rounds of either k, each holding the launch of the other's
-    engine, observed = engine_on_the_clock(choose=lambda caps, context: next(order))
+    engine, observed, _ = engine_on_the_clock(choose=lambda caps, context: next(order))
     engine.generate([[1, 2, 3]], [SamplingParams(temperature=0.0, max_tokens=12)])
     assert {k for _, k, _ in observed} == {0, 3}

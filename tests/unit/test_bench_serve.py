@@ -422,12 +422,16 @@ def test_compared_engines_run_every_slice_back_to_back_in_every_order(model_pair
         assert set(periods) <= set(by_k) and all(0 < periods[k][0] <= by_k[k] for k in periods)
     assert [r["engine_ms_per_round"]["rounds_by_k"] for r in runs[::3]] == [
         {0: r["engine_ms_per_round"]["rounds"]} for r in runs[::3]]  # ar: AR steps only
-    for run in runs[2::3]:  # adaptive: the policy's view of the run's batch at its end
+    for run in runs[2::3]:  # adaptive: the policy's view of the run's batch at its end, at its rounds' mean context
         policy = run["policy"]
         assert policy["batch"] == min(run["concurrency"], len(PROMPTS)) and len(policy["acceptance"]) == BLOCK - 1
+        assert policy["context"] > 0
         ks = set(backends["adaptive"].engine.speculation.ks)
         assert set(policy["expected_tokens"]) == set(policy["round_ms"]) == ks
         assert policy["expected_tokens"][0] == 1.0 and min(policy["round_ms"].values()) > 0
+    last = runs[-1]["policy"]  # priced at its context (the adaptive engine ran no more after it)
+    at_context = backends["adaptive"].engine.speculation.estimates(last["batch"], last["context"])
+    assert last["round_ms"] == pytest.approx(at_context["round_ms"], rel=1e-3)
     assert "policy" not in runs[0] and "policy" not in runs[1]
     assert runs[0]["tau"] is None and runs[1]["tau"] >= 1.0  # ar drafts nothing
     for engine in backends.values():
