@@ -215,53 +215,34 @@ class DriftingEstimates:
     steps took 0.97–1.04, verified k = 3 in 96 % of the rounds, and ran 0.95 × AR (BENCHMARKS).
     A key's start moves no drift: from its prior (an AR step's host time for a new k) to its own
     cost is that kind's difference, not the host's.
-
-    With `stale_rises` False, a key follows the drift down but not above where it stood when the
-    key was last observed: a rise learnt from other keys' rounds may be theirs alone, and the key,
-    priced up with them, would not be chosen and measured again. The H200's host time of rounds of
-    k = 3 at batch 32 (T 1, alpaca) rose from about an AR step's (1.0 ms) to 1.3–1.7 while AR
-    steps, where taken, kept 0.75–1.0; the shared drift priced AR steps at the k = 3 rounds' rise
-    (1.4–1.6 ms of host), and the policy verified k = 3 in ~2,200 rounds in a row without an AR
-    step, 0.962 × AR (BENCHMARKS, thirty-fifth session). Held where it was last seen, a kind that
-    is in truth dearer is chosen, measured, and its own rounds raise it; the drift's fall that
-    brought the other kind back goes to every key, as before.
     """
 
-    def __init__(self, *, rate: float = 0.005, drift_rate: float = 0.05, prior_trials: int = PRIOR_ROUNDS,
-                 stale_rises: bool = True):
+    def __init__(self, *, rate: float = 0.005, drift_rate: float = 0.05, prior_trials: int = PRIOR_ROUNDS):
         if not 0 < rate <= 1 or not 0 < drift_rate <= 1 or prior_trials < 0:
             raise ValueError(f"rate {rate} and drift_rate {drift_rate} must be in (0, 1], "
                              f"prior_trials {prior_trials} ≥ 0")
         self.rate, self.drift_rate, self.prior_trials = rate, drift_rate, prior_trials
-        self.stale_rises = stale_rises
         self.drift = 1.0
         self.base: dict = {}
         self.trials: dict = {}
-        self.seen_drift: dict = {}  # the drift when each key was last observed
 
     def get(self, key) -> float | None:
         """The key's estimate now (None: never observed)."""
         base = self.base.get(key)
-        if base is None:
-            return None
-        return base * (self.drift if self.stale_rises else min(self.drift, self.seen_drift[key]))
+        return None if base is None else base * self.drift
 
     def observe(self, key, value: float, prior: float) -> None:
         """A round of `key` measured `value`; `prior`: what the caller took for it until now, where
         it has no estimate of its own. One observation counts for at most OUTLIER_FACTOR times the
         estimate (see `RoundCosts`)."""
         drift, trials = self.drift, self.trials.get(key, 0)
-        estimate = self.get(key)
-        if estimate is None:
-            estimate = prior
-        base = estimate / drift  # a stale key's base, as it stood in the estimate
-        value = min(value, OUTLIER_FACTOR * estimate)
+        base = self.base.get(key, prior / drift)
+        value = min(value, OUTLIER_FACTOR * base * drift)
         weight = max(self.rate, 1 / (self.prior_trials + trials + 1))
         base += weight * (value / drift - base)
         self.base[key], self.trials[key] = base, trials + 1
         if weight == self.rate:  # settled
             self.drift = drift + self.drift_rate * (value / base - drift)
-        self.seen_drift[key] = self.drift
 
 
 class RoundCosts:
@@ -348,7 +329,7 @@ class RoundCosts:
         self.draft_rate = draft_rate
         # (k > 0, index of the nearest batch size) -> wall / predicted; (k, that index) -> host seconds a chained round
         self.wall_factor = DriftingEstimates(rate=own_rate, drift_rate=wall_rate)
-        self.host = DriftingEstimates(rate=own_rate, drift_rate=wall_rate, stale_rises=False)
+        self.host = DriftingEstimates(rate=own_rate, drift_rate=wall_rate)
         self._by_size: dict[int, tuple[int, dict[int, tuple[float, float]]]] = {}  # `_size_terms`
 
     def _blend(self, n: int) -> tuple[int, int, float, float]:
