@@ -68,19 +68,20 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-def assert_draft_context_is_committed_rows(runner: DraftRunner, seq, kv_block_size: int) -> None:
+def assert_draft_context_is_committed_rows(runner: DraftRunner, seq, kv_block_size: int, tol: float = 1e-4) -> None:
     """The drafter's paged context of `seq` (positions 0..num_cached-1, through its block table)
     equals a dense recomputation from its committed tokens alone."""
-    n = seq.num_cached
-    tokens = torch.tensor([seq.tokens[:n]])
+    n, device = seq.num_cached, runner.pool.k.device
+    tokens = torch.tensor([seq.tokens[:n]], device=device)
     _, features = runner.target.forward_with_features(tokens)
-    kv = runner.drafter.context_kv(features, torch.arange(n)[None])
-    slots = torch.tensor([seq.block_table[p // kv_block_size] * kv_block_size + p % kv_block_size for p in range(n)])
+    kv = runner.drafter.context_kv(features, torch.arange(n, device=device)[None])
+    slots = torch.tensor([seq.block_table[p // kv_block_size] * kv_block_size + p % kv_block_size for p in range(n)],
+                         device=device)
     for layer, (k, v) in enumerate(kv):
         cached_k = runner.pool.k[layer].view(-1, *runner.pool.k.shape[-2:])[slots]
-        torch.testing.assert_close(cached_k, k[0].transpose(0, 1), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(cached_k, k[0].transpose(0, 1), rtol=tol, atol=tol)
         cached_v = runner.pool.v[layer].view(-1, *runner.pool.v.shape[-2:])[slots]
-        torch.testing.assert_close(cached_v, v[0].transpose(0, 1), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(cached_v, v[0].transpose(0, 1), rtol=tol, atol=tol)
 
 
 def _slot_rows(pool: KVPool, slots: torch.Tensor) -> list[torch.Tensor]:

@@ -6,6 +6,7 @@ Skipped without CUDA (CI); run on the GPU test machine.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from dflash_serve.services.engine.loader import assemble_engine
 from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.models import TargetModel
 from tests.conftest import drafter_config, random_drafter
-from tests.engine.harness import assert_prefill_paths_agree, hf_greedy
+from tests.engine.harness import assert_draft_context_is_committed_rows, assert_prefill_paths_agree, hf_greedy
 from tests.targets import tiny_target
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -320,6 +321,40 @@ def test_cuda_graphs_per_k_bucket_stay_lossless(async_scheduling):
     done = engine.generate(prompts, params)
     assert [s.output_ids for s in done] == reference
     assert replayed and set(replayed) <= set(graphs.k_buckets)
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["chained", "synced"])
+def test_verify_graphs_inject_the_drafters_context_of_every_k(async_scheduling):
+    """The verify graphs inject their rows into the drafter's context in the same replay: rounds
+    forced to every k, with runs of AR steps between drafting rounds, greedy and seeded requests
+    in one padded batch. After every step the drafter's context of every running sequence equals
+    a dense recomputation from its committed tokens, and the outputs equal target-only decoding."""
+    model = tiny_target("qwen3", layers=4, vocab=V, seed=7).float().cuda()
+    cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
+                         layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
+    drafter = random_drafter(cfg, seed=3, dtype=torch.float32).cuda()
+    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 9]  # 3 sequences: a padded bucket of 4
+    params = [SamplingParams(temperature=0.0, max_tokens=60), SamplingParams(temperature=1.0, seed=5, max_tokens=60),
+              SamplingParams(temperature=0.0, max_tokens=45)]
+    reference = [s.output_ids for s in _engine(model, None, graphs=True).generate(prompts, params)]
+    engine = _engine(model, drafter, graphs=True, async_scheduling=async_scheduling, speculation="adaptive")
+    assert not engine.defer_context and set(engine.graphs.k_buckets) >= {0, 1, 3, B - 1}
+    order = itertools.chain([0] * 12, itertools.cycle([B - 1, 0, 0, 0, 1, 0, 0, 3]))
+    engine.speculation.choose = lambda caps, context: next(order)
+    replayed = []
+    verify = engine.graphs.verify
+    engine.graphs.verify = lambda bucket, k: replayed.append(k) or verify(bucket, k)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    checked = 0
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            if seq.num_cached and not seq.is_prefilling:
+                assert_draft_context_is_committed_rows(engine.proposer, seq, engine.allocator.block_size, tol=1e-3)
+                checked += 1
+    assert checked > 40 and {0, 1, 3, B - 1} <= set(replayed)
+    assert [engine.sequences.pop(i).output_ids for i in ids] == reference
     assert engine.allocator.num_free == engine.allocator.num_blocks
 
 
