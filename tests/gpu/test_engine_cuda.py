@@ -38,6 +38,16 @@ def _engine(target_model, drafter, *, graphs: bool, max_num_seqs=4, target_impl=
     return assemble_engine(config, target, drafter)
 
 
+def _tiny_pair():
+    """The suite's pair on the GPU in float32: a 4-layer target and a random 2-layer drafter of
+    its layers 0 and 2."""
+    model = tiny_target("qwen3", layers=4, vocab=V, seed=7).float().cuda()
+    cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
+                         layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
+    drafter = random_drafter(cfg, seed=3, dtype=torch.float32).cuda()
+    return model, drafter
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["chained", "synced"])
 @pytest.mark.parametrize("target_impl", ["fused", "transformers"])
 @pytest.mark.parametrize("graphs", [False, True])
@@ -170,10 +180,7 @@ def test_split_drafter_over_cuda_ipc_matches_the_colocated_engine(graphs, tied, 
 
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 40])  # 40: more than the largest bucket, eager
 def test_injection_graphs_write_what_the_eager_injection_writes(rows):
-    model = tiny_target("qwen3", layers=4, vocab=V, seed=7).float().cuda()
-    cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
-                         layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
-    drafter = random_drafter(cfg, seed=3, dtype=torch.float32).cuda()
+    model, drafter = _tiny_pair()
     target = TargetModel(model, drafter.config.target_layer_ids)
     layers, heads, dim = DraftRunner.kv_shape(drafter.config)
     pools = [KVPool.allocate(layers, 16, 16, heads, dim, torch.float32, "cuda") for _ in range(2)]
@@ -262,10 +269,7 @@ def test_fused_gemma3_forward_in_bf16_matches_transformers():
 def test_cuda_prefix_cache_hits_with_graphs_and_chained_rounds_stay_lossless(graphs, async_scheduling):
     """A shared opening and a second turn hit the prefix cache while other requests decode (CUDA
     graphs replaying rounds over shared blocks, chained rounds writing two blocks ahead)."""
-    model = tiny_target("qwen3", layers=4, vocab=V, seed=7).float().cuda()
-    cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
-                         layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
-    drafter = random_drafter(cfg, seed=3, dtype=torch.float32).cuda()
+    model, drafter = _tiny_pair()
     engine = _engine(model, drafter, graphs=graphs, async_scheduling=async_scheduling)
     opening = list(range(3, 40))  # 2 full blocks of 16
     first = engine.generate([opening + [50, 51]], SamplingParams(temperature=0.0, max_tokens=30))[0]
@@ -284,10 +288,7 @@ def test_cuda_graphs_per_k_bucket_stay_lossless(async_scheduling):
     k, changing every round (chained rounds too), replay them — and the adaptive policy on costs
     measured by replaying them — with greedy and seeded requests in one padded batch: the same
     output as target-only decoding."""
-    model = tiny_target("qwen3", layers=4, vocab=V, seed=7).float().cuda()
-    cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
-                         layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
-    drafter = random_drafter(cfg, seed=3, dtype=torch.float32).cuda()
+    model, drafter = _tiny_pair()
     prompts = [[1, 2, 3], list(range(5, 40)), [7] * 9]  # 3 sequences: a padded bucket of 4
     params = [SamplingParams(temperature=0.0, max_tokens=40), SamplingParams(temperature=1.0, seed=5, max_tokens=40),
               SamplingParams(temperature=0.7, top_k=8, seed=6, max_tokens=40)]
@@ -325,15 +326,13 @@ def test_cuda_graphs_per_k_bucket_stay_lossless(async_scheduling):
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["chained", "synced"])
-def test_verify_graphs_inject_the_drafters_context_of_every_k(async_scheduling):
-    """The verify graphs inject their rows into the drafter's context in the same replay: rounds
-    forced to every k, with runs of AR steps between drafting rounds, greedy and seeded requests
-    in one padded batch. After every step the drafter's context of every running sequence equals
-    a dense recomputation from its committed tokens, and the outputs equal target-only decoding."""
-    model = tiny_target("qwen3", layers=4, vocab=V, seed=7).float().cuda()
-    cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
-                         layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
-    drafter = random_drafter(cfg, seed=3, dtype=torch.float32).cuda()
+def test_the_round_graphs_keep_the_drafters_context_exact_for_every_k(async_scheduling):
+    """Each round's injection graph puts the verify graph's rows into the drafter's context:
+    rounds forced to every k, with runs of AR steps between drafting rounds, greedy and seeded
+    requests in one padded batch. After every step the drafter's context of every running
+    sequence equals a dense recomputation from its committed tokens, and the outputs equal
+    target-only decoding."""
+    model, drafter = _tiny_pair()
     prompts = [[1, 2, 3], list(range(5, 40)), [7] * 9]  # 3 sequences: a padded bucket of 4
     params = [SamplingParams(temperature=0.0, max_tokens=60), SamplingParams(temperature=1.0, seed=5, max_tokens=60),
               SamplingParams(temperature=0.0, max_tokens=45)]
@@ -364,10 +363,7 @@ def test_accept_graphs_sample_and_accept_as_the_eager_round(async_scheduling):
     requests mixed) sample and accept in the bucket's accept graphs, chained rounds reading the
     graphs' next bonus tokens and starts; a batch that truncates (top-k) samples eagerly, and so do
     rounds that verify more drafts than a request's limit. Every output equals the eager target's."""
-    model = tiny_target("qwen3", layers=4, vocab=V, seed=7).float().cuda()
-    cfg = drafter_config(block_size=B, vocab_size=V, num_target_layers=4, num_hidden_layers=2,
-                         layer_types=["full_attention"] * 2, dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
-    drafter = random_drafter(cfg, seed=3, dtype=torch.float32).cuda()
+    model, drafter = _tiny_pair()
     prompts = [[1, 2, 3], list(range(5, 40)), [7] * 9]  # 3 sequences: a padded bucket of 4
     greedy = SamplingParams(temperature=0.0, max_tokens=40)
     seeded = [SamplingParams(temperature=1.0, seed=s, max_tokens=40) for s in (5, 6)]
