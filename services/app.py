@@ -78,9 +78,9 @@ class VerifierDeployment:
         self.verifier = Verifier(config, metrics=_replica_metrics("verifier", config["engine"]["target"]))
         freeze_startup_objects()
 
-    async def generate(self, prompt_ids, params, request_id=None):
-        async for out in self.verifier.generate(prompt_ids, params, request_id):
-            yield out
+    async def generate(self, prompt_ids, params, request_id, reply_to) -> str:
+        """Outputs go over the router's output stream (`reply_to`); returns the stream's id at the end."""
+        return await self.verifier.generate(prompt_ids, params, request_id, reply_to)
 
     def model_info(self) -> dict:
         return self.verifier.model_info()
@@ -106,6 +106,7 @@ class RouterDeployment:
     running replicas through `reconfigure` and no model is loaded again."""
 
     def __init__(self, verifier, config: dict):
+        import ray
         from transformers import AutoTokenizer
 
         from dflash_serve.services.models import load_target_config
@@ -124,7 +125,9 @@ class RouterDeployment:
         self.router = Router(verifier, AutoTokenizer.from_pretrained(target, revision=revision), max_model_len=max_len,
                              max_tokens_limit=cfg.engine.max_tokens_limit,
                              default_max_tokens=cfg.default_max_tokens, max_pending=cfg.max_pending,
-                             running_verifiers=_running_verifiers, api_keys=api_keys)
+                             running_verifiers=_running_verifiers, api_keys=api_keys,
+                             outputs_host=ray.util.get_node_ip_address(),
+                             stream_messages_per_s=cfg.stream_messages_per_s)
         self.openai = OpenAIServer(self.router, cfg.model_name)
         freeze_startup_objects()
 
@@ -138,6 +141,7 @@ class RouterDeployment:
         settings = self.config.with_router_settings(user_config)
         self.router.max_pending = settings.max_pending
         self.router.default_max_tokens = settings.default_max_tokens
+        self.router.stream_messages_per_s = settings.stream_messages_per_s
 
     async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method names
         # aclosing: a cancelled client closes the router's stream at once, which frees the request.

@@ -128,6 +128,10 @@ class EngineConfig(_Config):
         default_factory=dict, description="Batch size -> k, overriding `speculation` (like vLLM's "
         "num_speculative_tokens per batch size): a batch of n runs the k of the largest key <= n; below the smallest "
         "key, the policy. E.g. {1: 15, 8: 7, 32: 0}. Each value is also captured as a CUDA graph bucket.")
+    synthetic_acceptance_length: float | None = Field(
+        None, ge=1, description="BENCHMARKS ONLY, outputs are then NOT the target's: every round that verifies drafts "
+        "accepts as many as keep the mean acceptance length (tau) at this value, whatever the drafter proposed, to time "
+        "a random-weight pair at a realistic acceptance. null: off (always, in service).")
 
     @field_validator("target")
     @classmethod
@@ -179,7 +183,7 @@ class EngineConfig(_Config):
 
 # ServeConfig keys only the routers read. A running application takes a change of these in place
 # (Serve's user_config: the routers' reconfigure); any other change rebuilds it and reloads the models.
-ROUTER_SETTINGS = ("max_pending", "default_max_tokens")
+ROUTER_SETTINGS = ("max_pending", "default_max_tokens", "stream_messages_per_s")
 
 
 class ServeConfig(_Config):
@@ -209,6 +213,13 @@ class ServeConfig(_Config):
     max_pending: int = Field(256, gt=0, description="Requests in flight per router replica (each has its own count) "
                              "before RESOURCE_EXHAUSTED.")
     default_max_tokens: int = Field(256, gt=0, description="Tokens generated for a request that does not say.")
+    stream_messages_per_s: float = Field(1000.0, ge=0, description="Streamed messages per second a router replica "
+                                         "aims to send over all its requests: after each message a request waits "
+                                         "(its requests in flight / this) seconds and sends everything that arrived "
+                                         "meanwhile as one. Ray Serve's proxy forwards each message on its own, and "
+                                         "past a few thousand a second it falls behind the engine (BENCHMARKS, "
+                                         "'The serving path'). The first and the last message go at once. 0: no "
+                                         "wait (one message per engine step and request).")
     verifier_num_gpus: float = Field(1.0, ge=0, description="GPUs per verifier replica when engine.device is cuda "
                                      "(none on CPU). With drafter_placement shared its drafter runs on the same GPU.")
     drafter_placement: DrafterPlacement = Field("shared", description="Where a split verifier's drafter computes. "
@@ -288,8 +299,10 @@ class ServeConfig(_Config):
             raise ValueError(f"Router user_config: unknown key(s) {', '.join(unknown)}; "
                              f"only {', '.join(ROUTER_SETTINGS)} apply in place")
         for key, value in (settings or {}).items():
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"Router user_config: {key} must be an integer, got {value!r}")
+            number = type(getattr(self, key)) is float  # else an integer setting
+            if not isinstance(value, (int, float) if number else int) or isinstance(value, bool):
+                raise ValueError(f"Router user_config: {key} must be {'a number' if number else 'an integer'}, "
+                                 f"got {value!r}")
         return ServeConfig(**{**dict(self), **(settings or {})})
 
 

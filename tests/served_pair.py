@@ -34,3 +34,18 @@ def save_tiny_pair(root: Path, *, block_size: int) -> tuple[str, str]:
                          dflash_config={"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 2]})
     save_drafter(random_drafter(cfg, seed=4, dtype=torch.float32), drafter_dir)
     return str(target_dir), str(drafter_dir)
+
+
+async def run_request(verifier, prompt_ids: list[int], params, request_id: str = "r") -> list:
+    """One request through a Verifier in this process as a router sends it: the outputs that
+    arrive over the router's output stream, up to the finished one."""
+    from dflash_serve.services.verifier.output_stream import OutputListener
+
+    listener = OutputListener()
+    queue = listener.open(request_id)
+    await verifier.generate(prompt_ids, params, request_id, await listener.reply_to())
+    outputs = [await queue.get()]
+    while not outputs[-1].finished:
+        outputs.append(await queue.get())
+    await listener.aclose()
+    return outputs

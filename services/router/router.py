@@ -5,8 +5,11 @@
 whose HTTP entry point serves the OpenAI API (`dflash_serve.services.router.openai_api`) on top of `outputs`,
 the one path every request takes whatever its protocol: authentication is checked by each
 protocol's front, then admission, validation, the verifier call and its cancellation are shared.
-The verifier is reached only through its handle: `generate` (a stream of `RequestOutput`s) and
-`model_info`.
+The verifier is reached through its handle (`generate`, `model_info`, `check_health`); a
+request's outputs come back over this router's output stream (`verifier.output_stream`), one
+frame per engine step for all of its requests, and each yield of `outputs` merges everything
+that arrived since the last, so a client that reads slower than the engine gets fewer, larger
+messages rather than a growing queue.
 
 Client errors never surface as exceptions with a stack trace: `outputs` raises `RequestFailed`
 with a status code and a readable message, which gRPC sets on `grpc_context`. A streaming call then
@@ -18,6 +21,7 @@ real Serve gRPC proxy). Unary calls return an empty message instead, which carri
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -34,7 +38,6 @@ from ray.serve.exceptions import ReplicaUnavailableError
 from dflash_serve.services.api.dflash.v1 import generation_pb2
 from dflash_serve.services.engine.request import RequestOutput
 from dflash_serve.services.engine.sampling import SamplingParams
-from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.router.auth import UNAUTHENTICATED_MESSAGE, ApiKeys, grpc_authorization
 from dflash_serve.services.router.validation import (
     InvalidRequest,
@@ -48,6 +51,7 @@ from dflash_serve.services.router.validation import (
     no_input,
     sampling_params,
 )
+from dflash_serve.services.verifier.output_stream import FINISH_REASONS, OutputListener, StreamLost
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 HEALTH_CHECK_TIMEOUT_S = 5.0  # a verifier busy with a long prefill still answers within this
@@ -55,14 +59,7 @@ FIRST_OUTPUT_CHECK_S = 1.0  # how often a request with no output yet asks whethe
 log = logging.getLogger(__name__)
 
 # A verifier call lost to its replica (died, restarting, unreachable): retryable, UNAVAILABLE.
-_REPLICA_GONE = (RayActorError, NodeDiedError, ReplicaUnavailableError)
-
-_FINISH_REASONS = {
-    FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
-    FinishReason.CANCELLED: generation_pb2.FINISH_REASON_CANCELLED,
-    FinishReason.ERROR: generation_pb2.FINISH_REASON_ERROR,
-}
+_REPLICA_GONE = (RayActorError, NodeDiedError, ReplicaUnavailableError, StreamLost)
 
 
 class RpcFailed(Exception):
@@ -90,10 +87,14 @@ class Router:
         max_pending: int,
         running_verifiers: Callable[[], Awaitable[int]] | None = None,
         api_keys: ApiKeys | None = None,
+        outputs_host: str = "127.0.0.1",
+        stream_messages_per_s: float = 0.0,
     ):
         """tokenizer: the target's tokenizer folder or hub id, or a loaded tokenizer.
         running_verifiers: how many verifier replicas are up (None: never asked).
-        api_keys: the keys a call must present (None: no authentication)."""
+        api_keys: the keys a call must present (None: no authentication).
+        outputs_host: the address the verifiers reach this router's output stream at.
+        stream_messages_per_s: the messages a second this router aims to stream (ServeConfig's; 0: no pacing)."""
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
 
@@ -104,11 +105,13 @@ class Router:
         self.max_tokens_limit = max_tokens_limit
         self.default_max_tokens = default_max_tokens
         self.max_pending = max_pending
+        self.stream_messages_per_s = stream_messages_per_s
         self.running_verifiers = running_verifiers
         self.api_keys = api_keys
         self.max_prompt_bytes = max_prompt_bytes(tokenizer, max_model_len)
         self._in_flight: set[str] = set()  # request ids admitted and not yet finished
         self._model_info: dict | None = None  # the verifier's, fetched once
+        self.verifier_outputs = OutputListener(outputs_host)
         # Tokenizing a long prompt takes milliseconds: off the event loop that streams every other
         # request's tokens, on one thread because a fast tokenizer is not safe to share between threads.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -195,30 +198,70 @@ class Router:
                 prompt_ids, params = await self._prepare(request)
             except InvalidRequest as err:
                 raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-            stream = self.verifier.generate.options(stream=True).remote(prompt_ids, params, request_id)
-            last: RequestOutput | None = None
+            queue = self.verifier_outputs.open(request_id)
             try:
-                outputs = stream.__aiter__()
-                first = await self._first_output(outputs)
-                if first is not None:
-                    last = first
-                    yield first
-                    async for last in outputs:
+                reply_to = await self.verifier_outputs.reply_to()
+                call = self.verifier.generate.remote(prompt_ids, params, request_id, reply_to)
+                ended = asyncio.ensure_future(call)
+                ended.add_done_callback(lambda task: queue.put_nowait(_CallEnded(task)))
+                last: RequestOutput | None = None
+                try:
+                    async for last in self._merged_outputs(request_id, queue):
                         yield last
-            except RequestFailed:
-                raise
-            except Exception as err:  # noqa: BLE001 - the verifier call failed; CancelledError passes
-                raise _verifier_failed(err, produced=last is not None) from None
+                finally:
+                    if last is None or not last.finished:
+                        call.cancel()  # the client cancelled, its deadline passed, or the call failed
             finally:
-                if last is None or not last.finished:
-                    # The client cancelled, its deadline passed, or the call failed.
-                    stream.cancel()
+                self.verifier_outputs.close(request_id)
             if last is None or not last.finished:
                 raise RequestFailed(grpc.StatusCode.INTERNAL, "the verifier's stream ended before the request finished")
             if _finish_reason(last) == generation_pb2.FINISH_REASON_ERROR:
                 raise RequestFailed(grpc.StatusCode.INTERNAL, f"generation failed: {last.error or 'no reason given'}")
         finally:
             self._in_flight.discard(request_id)
+
+    async def _merged_outputs(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """The request's outputs up to its last, each one merging every output that arrived since
+        the one before; raises RequestFailed when its call fails or its output stream is lost."""
+        produced = False
+        item = await self._first_item(queue)
+        while True:
+            arrived = []
+            while True:  # everything already here
+                if isinstance(item, RequestOutput):
+                    arrived.append(item)
+                    if item.finished:  # whatever follows (the call's end, a stream closing) is moot
+                        break
+                elif isinstance(item, StreamLost):
+                    raise _verifier_failed(item, produced=produced or bool(arrived))
+                elif item.error is not None:
+                    raise _verifier_failed(item.error, produced=produced or bool(arrived))
+                else:  # the call ended; what it produced and has not arrived is in this stream
+                    self.verifier_outputs.attach(request_id, item.stream_id)
+                if queue.empty():
+                    break
+                item = queue.get_nowait()
+            if arrived:
+                produced = True
+                out = _merge(arrived)
+                yield out
+                if out.finished:
+                    return
+                if self.stream_messages_per_s > 0:  # the next steps' outputs gather meanwhile: one message
+                    await asyncio.sleep(len(self._in_flight) / self.stream_messages_per_s)
+            item = await queue.get()
+
+    async def _first_item(self, queue: asyncio.Queue):
+        """The request's first output or call result. While none has come, ask every
+        FIRST_OUTPUT_CHECK_S whether a verifier replica is running at all: during a replica's
+        restart Serve would hold the call until one is back (~20 s), so fail fast instead."""
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), FIRST_OUTPUT_CHECK_S)
+            except TimeoutError:
+                if self.running_verifiers is not None and await self._none_running():
+                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
+                                        "no verifier replica is running (one is starting or restarting): retry shortly")
 
     def _admit(self, request_id: str) -> None:
         if request_id in self._in_flight:
@@ -264,24 +307,6 @@ class Router:
         except TemplateError as err:  # the template's own checks, e.g. roles that must alternate
             raise InvalidRequest(f"the chat template refused these messages: {err}") from None
 
-    async def _first_output(self, outputs) -> RequestOutput | None:
-        """The stream's first output (None if it ended at once). While none has come, ask every
-        FIRST_OUTPUT_CHECK_S whether a verifier replica is running at all: during a replica's
-        restart Serve would hold the call until one is back (~20 s), so fail fast instead."""
-        first = asyncio.ensure_future(outputs.__anext__())
-        try:
-            while True:
-                done, _ = await asyncio.wait({first}, timeout=FIRST_OUTPUT_CHECK_S)
-                if done:
-                    return first.result()
-                if self.running_verifiers is not None and await self._none_running():
-                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
-                                        "no verifier replica is running (one is starting or restarting): retry shortly")
-        except StopAsyncIteration:
-            return None
-        finally:
-            first.cancel()
-
     async def _none_running(self) -> bool:
         try:
             return await self.running_verifiers() == 0
@@ -318,7 +343,31 @@ def _response(request_id: str, out: RequestOutput) -> generation_pb2.GenerateRes
 
 def _finish_reason(out: RequestOutput) -> int:
     """A finished output without a reason is a verifier bug: reported as an error, not a success."""
-    return _FINISH_REASONS.get(out.finish_reason, generation_pb2.FINISH_REASON_ERROR)
+    return FINISH_REASONS.get(out.finish_reason, generation_pb2.FINISH_REASON_ERROR)
+
+
+class _CallEnded:
+    """A request's verifier call ended: the stream id it returned, or the exception it raised."""
+
+    __slots__ = ("error", "stream_id")
+
+    def __init__(self, task: asyncio.Future):
+        self.stream_id, self.error = None, None
+        if task.cancelled():
+            self.error = asyncio.CancelledError()
+        elif task.exception() is not None:
+            self.error = task.exception()
+        else:
+            self.stream_id = task.result()
+
+
+def _merge(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: their new tokens and text, the last one's state."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    return dataclasses.replace(last, new_token_ids=[t for out in outputs for t in out.new_token_ids],
+                               new_text="".join(out.new_text for out in outputs))
 
 
 def _set_status(context, code: grpc.StatusCode, details: str) -> None:

@@ -145,12 +145,13 @@ def test_a_revision_for_a_model_folder_is_refused_at_install(model):
 def test_the_router_overrides_are_what_build_app_derives_from_the_same_config():
     from dflash_serve.services.app import build_app
 
-    rendered = render({"dflash": {"max_pending": 64, "default_max_tokens": 100, "router_replicas": 2,
-                                  "router_max_replicas": 5}})
+    rendered = render({"dflash": {"max_pending": 64, "default_max_tokens": 100, "stream_messages_per_s": 500,
+                                  "router_replicas": 2, "router_max_replicas": 5}})
     router = build_app(ServeConfig.from_dict(rendered.dflash_config))._bound_deployment
     verifier = router.init_args[0]._bound_deployment
     overrides = rendered.deployment_overrides("Router")
-    assert overrides["user_config"] == {"max_pending": 64, "default_max_tokens": 100} == router.user_config
+    assert overrides["user_config"] == {"max_pending": 64, "default_max_tokens": 100,
+                                        "stream_messages_per_s": 500} == router.user_config
     assert overrides["max_ongoing_requests"] == router.max_ongoing_requests
     built = router._deployment_config.autoscaling_config
     assert overrides["autoscaling_config"] == built.model_dump(include=set(overrides["autoscaling_config"]))

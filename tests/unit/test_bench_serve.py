@@ -630,32 +630,21 @@ def test_the_cli_benchmarks_conversations_with_caching_on_and_off(model_pair, tm
 
 
 class InProcessVerifierHandle:
-    """The shape of the verifier's Ray Serve handle (generate.options(stream=True).remote(...),
-    model_info.remote()) over a Verifier in this process."""
+    """The shape of the verifier's Ray Serve handle (generate.remote(...), an awaitable that
+    cancel() cancels; model_info.remote()) over a Verifier in this process."""
 
     def __init__(self, verifier: Verifier):
         self.verifier = verifier
-        self.generate = SimpleNamespace(options=lambda stream: SimpleNamespace(remote=self._generate))
+        self.generate = SimpleNamespace(remote=self._generate)
         self.model_info = SimpleNamespace(remote=self._model_info)
         self.prompts: list[list[int]] = []  # the token ids of every request, as the router sent them
 
-    def _generate(self, prompt_ids, params, request_id):
+    def _generate(self, prompt_ids, params, request_id, reply_to):
         self.prompts.append(list(prompt_ids))
-        return _Stream(self.verifier.generate(prompt_ids, params, request_id))
+        return asyncio.ensure_future(self.verifier.generate(prompt_ids, params, request_id, reply_to))
 
     async def _model_info(self):
         return self.verifier.model_info()
-
-
-class _Stream:
-    def __init__(self, outputs):
-        self.outputs = outputs
-
-    def __aiter__(self):
-        return self.outputs
-
-    def cancel(self):
-        asyncio.ensure_future(self.outputs.aclose())  # closing the generator cancels the request
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):

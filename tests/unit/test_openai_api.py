@@ -95,7 +95,7 @@ def test_chat_stream_with_include_usage(sdk):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "abcde"
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
-    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert finishes[-1] == "length" and set(finishes[:-1]) <= {None}
     last = chunks[-1]
     assert last.choices == [] and last.usage.completion_tokens == 5 and last.usage.total_tokens > 5
     assert last.model_extra["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"] == 3

@@ -26,6 +26,7 @@ from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.router import router as router_module
 from dflash_serve.services.router.router import Router, RpcFailed
+from dflash_serve.services.verifier.output_stream import ReplyTo, RouterChannel
 from tests.tokenizer import train_tiny_tokenizer
 
 VOCAB = 600
@@ -58,41 +59,62 @@ class Call:
     request_id: str
 
 
-class FakeStream:
-    """What `verifier.generate.options(stream=True).remote(...)` returns: async-iterable, cancellable."""
+class FakeCall:
+    """What `verifier.generate.remote(...)` returns: awaitable and cancellable. Like the verifier,
+    it sends each output of its script over a real output stream to the router's `reply_to` (one
+    frame each) and ends with the stream's id, or raises what the script raises."""
 
-    def __init__(self, outputs):
-        self._outputs = outputs
+    def __init__(self, outputs, reply_to: ReplyTo, *, one_frame: bool):
         self.cancelled = False
+        self._task = asyncio.ensure_future(self._run(outputs, reply_to, one_frame))
 
-    def __aiter__(self):
-        return self._outputs
+    async def _run(self, outputs, reply_to: ReplyTo, one_frame: bool) -> str:
+        channel = RouterChannel(reply_to)
+        try:
+            async for out in outputs:
+                channel.add(out)
+                if not one_frame:  # a frame per output, as one engine step each
+                    assert channel.flush()
+                    await asyncio.sleep(0)
+            assert channel.flush()
+            return channel.stream_id
+        except Exception:
+            # A call's failure reaches a router through Ray, well after the outputs its replica
+            # sent before failing have come over the socket.
+            await asyncio.sleep(0.05)
+            raise
+        finally:
+            while channel.flush() and channel._unsent:  # what the socket did not take yet
+                await asyncio.sleep(0.001)
+            channel.close()
+
+    def __await__(self):
+        return self._task.__await__()
 
     def cancel(self):
         self.cancelled = True
+        self._task.cancel()
 
 
 class FakeVerifier:
     """The verifier handle's shape. `script(prompt_ids, params, request_id)` is an async generator
     of RequestOutputs; replace it to change what the next call streams."""
 
-    def __init__(self, script=None):
+    def __init__(self, script=None, *, one_frame: bool = False):
         self.script = script or three_rounds
+        self.one_frame = one_frame  # every output of a call in one frame, as if of one engine step
         self.calls: list[Call] = []
-        self.streams: list[FakeStream] = []
+        self.streams: list[FakeCall] = []
         self.model_info_calls = 0
-        self.generate = SimpleNamespace(options=self._options)
+        self.generate = SimpleNamespace(remote=self._remote)
         self.model_info = SimpleNamespace(remote=self._model_info)
         self.health = None  # None: healthy; an exception: raised; "hang": never answers
         self.check_health = SimpleNamespace(remote=self._check_health)
 
-    def _options(self, *, stream):
-        assert stream
-        return SimpleNamespace(remote=self._remote)
-
-    def _remote(self, prompt_ids, params, request_id):
+    def _remote(self, prompt_ids, params, request_id, reply_to):
         self.calls.append(Call(prompt_ids, params, request_id))
-        self.streams.append(FakeStream(self.script(prompt_ids, params, request_id)))
+        self.streams.append(FakeCall(self.script(prompt_ids, params, request_id), reply_to,
+                                     one_frame=self.one_frame))
         return self.streams[-1]
 
     async def _check_health(self):
@@ -345,9 +367,11 @@ def test_outputs_stream_as_responses_and_the_last_carries_usage_and_stats(tokeni
     verifier = FakeVerifier()
     responses, context = generate(make_router(tokenizer, verifier), request)
     assert context.code is None
-    assert [(r.text, list(r.token_ids)) for r in responses] == [("ab", [10, 11]), ("cd", [12, 13]), ("e", [14])]
+    # Outputs that arrive while the client has not read the last are merged into one response.
+    assert "".join(r.text for r in responses) == "abcde"
+    assert [t for r in responses for t in r.token_ids] == [10, 11, 12, 13, 14]
     assert {r.request_id for r in responses} == {"client-1"} and verifier.calls[0].request_id == "client-1"
-    assert [r.finish_reason for r in responses] == [generation_pb2.FINISH_REASON_UNSPECIFIED] * 2 + [
+    assert [r.finish_reason for r in responses] == [generation_pb2.FINISH_REASON_UNSPECIFIED] * (len(responses) - 1) + [
         generation_pb2.FINISH_REASON_LENGTH]
     assert not any(r.HasField("usage") or r.HasField("spec_stats") for r in responses[:-1])
     prompt_len = len(tokenizer.encode("hello world"))
@@ -407,7 +431,7 @@ def test_complete_reports_invalid_input_through_the_status(tokenizer):
 def test_a_verifier_error_ends_the_stream_with_internal_after_the_partial_output(tokenizer):
     responses, context = generate(make_router(tokenizer, FakeVerifier(fails_after_first_round)),
                                   generation_pb2.GenerateRequest(prompt="hi"))
-    assert [r.text for r in responses] == ["ab", "c"]
+    assert "".join(r.text for r in responses) == "abc"
     assert responses[-1].finish_reason == generation_pb2.FINISH_REASON_ERROR
     assert responses[-1].usage.completion_tokens == 3
     assert context.code == Code.INTERNAL and "an illegal memory access" in context.details
@@ -457,7 +481,7 @@ def test_with_no_verifier_replica_running_a_request_fails_fast_as_unavailable(to
     running[0] = 1
     verifier.script = lambda *args: _after(three_rounds(*args), 0.3)
     responses, context = generate(router, generation_pb2.GenerateRequest(prompt="hi"))
-    assert context.code is None and [r.text for r in responses] == ["ab", "cd", "e"]
+    assert context.code is None and "".join(r.text for r in responses) == "abcde"
 
 
 async def _after(outputs, seconds: float):
@@ -466,13 +490,24 @@ async def _after(outputs, seconds: float):
         yield out
 
 
-def test_a_stream_ending_without_a_finished_output_is_internal(tokenizer):
+def test_an_output_stream_closing_before_the_request_finished_is_unavailable(tokenizer):
     async def truncated(prompt_ids, params, request_id):
         yield output(request_id, prompt_ids, [10], "a", 1)
 
     responses, context = generate(make_router(tokenizer, FakeVerifier(truncated)),
                                   generation_pb2.GenerateRequest(prompt="hi"))
-    assert len(responses) == 1 and context.code == Code.INTERNAL and "before the request finished" in context.details
+    assert len(responses) == 1 and context.code == Code.UNAVAILABLE
+    assert "output stream closed" in context.details and "retry" in context.details
+
+
+def test_outputs_that_arrive_together_are_one_response(tokenizer):
+    """A client that reads slower than the engine steps gets fewer, larger responses."""
+
+    verifier = FakeVerifier(one_frame=True)
+    responses, context = generate(make_router(tokenizer, verifier), generation_pb2.GenerateRequest(prompt="hi"))
+    assert context.code is None
+    assert [(r.text, list(r.token_ids)) for r in responses] == [("abcde", [10, 11, 12, 13, 14])]
+    assert responses[0].finish_reason == generation_pb2.FINISH_REASON_LENGTH and responses[0].usage.completion_tokens == 5
 
 
 # -- cancellation, deadlines, admission -----------------------------------------------------------
@@ -519,7 +554,7 @@ def test_a_passed_deadline_cancels_the_verifier_call_and_frees_the_slot(tokenize
     assert verifier.streams[0].cancelled
     verifier.script = three_rounds
     responses, context = generate(router, request)
-    assert context.code is None and len(responses) == 3
+    assert context.code is None and "".join(r.text for r in responses) == "abcde"
 
 
 def test_past_max_pending_requests_get_resource_exhausted_until_a_slot_frees(tokenizer):
@@ -539,7 +574,7 @@ def test_past_max_pending_requests_get_resource_exhausted_until_a_slot_frees(tok
         assert verifier.streams[0].cancelled
         verifier.script = three_rounds
         responses = [r async for r in router.Generate(generation_pb2.GenerateRequest(prompt="hi"), FakeContext())]
-        assert len(responses) == 3
+        assert "".join(r.text for r in responses) == "abcde"
         await streams[1].aclose()
 
     asyncio.run(scenario())
@@ -691,3 +726,21 @@ def test_client_needs_exactly_one_input():
         client.stream_completion("127.0.0.1:1", prompt="x", token_ids=[1])
     with pytest.raises(ValueError, match="got none"):
         client.complete("127.0.0.1:1")
+
+
+def test_with_a_message_budget_a_request_waits_after_each_message_and_sends_what_gathered_as_one(tokenizer):
+    """stream_messages_per_s: one request in flight at 2 messages/s waits 0.5 s after each message;
+    the first goes at once, and the four steps that follow within the wait arrive as one."""
+
+    async def five_steps(prompt_ids, params, request_id):
+        for i in range(5):
+            yield output(request_id, prompt_ids, [10 + i], "abcde"[i], i + 1,
+                         FinishReason.LENGTH if i == 4 else None)
+            await asyncio.sleep(0.005)
+
+    router = make_router(tokenizer, FakeVerifier(five_steps), stream_messages_per_s=2.0)
+    start = time.monotonic()
+    responses, context = generate(router, generation_pb2.GenerateRequest(prompt="hi"))
+    assert context.code is None
+    assert [r.text for r in responses] == ["a", "bcde"] and responses[-1].usage.completion_tokens == 5
+    assert 0.5 <= time.monotonic() - start < 5.0

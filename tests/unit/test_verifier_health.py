@@ -10,7 +10,7 @@ import pytest
 from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.verifier.verifier import Verifier
-from tests.served_pair import save_tiny_pair
+from tests.served_pair import run_request, save_tiny_pair
 
 
 def test_a_stopped_engine_loop_fails_the_health_check_and_ends_the_requests_it_held(tmp_path):
@@ -23,10 +23,8 @@ def test_a_stopped_engine_loop_fails_the_health_check_and_ends_the_requests_it_h
 
     verifier.engine.step = broken_step
 
-    async def consume():
-        return [out async for out in verifier.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5))]
-
-    outputs = asyncio.run(asyncio.wait_for(consume(), timeout=30))
+    outputs = asyncio.run(asyncio.wait_for(
+        run_request(verifier, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5)), timeout=30))
     last = outputs[-1]
     assert last.finished and last.finish_reason is FinishReason.ERROR
     assert last.error == "the engine loop stopped: RuntimeError: CUDA error: an illegal memory access was encountered"

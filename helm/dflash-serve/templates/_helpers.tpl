@@ -61,7 +61,7 @@ checks all of these match).
 */}}
 {{- define "dflash-serve.serveConfig" -}}
 {{- $config := include "dflash-serve.config" . | fromYaml -}}
-{{- $router := pick $config "max_pending" "default_max_tokens" -}}
+{{- $router := pick $config "max_pending" "default_max_tokens" "stream_messages_per_s" -}}
 {{- $headroom := 32 -}}
 proxy_location: EveryNode
 http_options:
@@ -79,7 +79,7 @@ applications:
     route_prefix: /
     import_path: dflash_serve.services.app:app_from_config
     args:
-      {{- omit $config "max_pending" "default_max_tokens" | toYaml | nindent 6 }}
+      {{- omit $config "max_pending" "default_max_tokens" "stream_messages_per_s" | toYaml | nindent 6 }}
     deployments:
       - name: Router
         user_config: {{ $router | toJson }}

@@ -1,0 +1,265 @@
+"""The verifier -> router output stream (protos/dflash/v1/outputs.proto).
+
+A request's outputs do not travel back through its Ray call. Ray Serve sends every item that a
+streaming call yields as an object of its own, and at 32 requests with a step every few
+milliseconds that was most of the serving path's time, spent in the verifier's own process,
+where it held the GIL that the engine's thread needs. Instead each router replica listens on a
+socket (`OutputListener`, asyncio) and names it, with a secret, in every request's call
+(`ReplyTo`). The verifier keeps one channel to each router (`RouterChannel`), and its engine
+thread writes one frame per step into it, for all of that router's requests, without blocking.
+
+The call itself stays open until the request ends and returns the name of the channel its
+outputs went to. So Ray Serve still counts the request for routing, queue lengths and
+autoscaling, cancelling the call cancels the request, and a lost replica surfaces on the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import select
+import socket
+import uuid
+from dataclasses import dataclass
+
+from dflash_serve.services.api.dflash.v1 import generation_pb2, outputs_pb2
+from dflash_serve.services.engine.request import RequestOutput, SpecStats
+from dflash_serve.services.engine.stopping import FinishReason
+from dflash_serve.services.transport.channel import DEFAULT_MAX_FRAME_BYTES, HEADER
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 10.0
+# Unsent bytes a router may fall behind by before its channel is closed and its requests fail:
+# seconds of output at any load, and a bound on what a stopped router can make a verifier hold.
+MAX_UNSENT_BYTES = 64 * 2**20
+# Channels a router remembers as closed, for calls that end after their channel did (a verifier
+# restarts far less often than this many times within one request's life).
+CLOSED_STREAMS_KEPT = 1024
+_SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)
+_PEER_HUNG_UP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
+
+FINISH_REASONS = {
+    FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: generation_pb2.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: generation_pb2.FINISH_REASON_ERROR,
+}
+_REASON_OF = {code: reason for reason, code in FINISH_REASONS.items()}
+
+
+@dataclass(frozen=True)
+class ReplyTo:
+    """Where a request's outputs go: a router replica's listener, and the secret it expects."""
+
+    host: str
+    port: int
+    token: bytes
+
+
+class StreamLost(ConnectionError):
+    """The channel that carried a request's outputs closed before the request's end arrived."""
+
+
+def _frame(message) -> bytes:
+    payload = message.SerializeToString()
+    return HEADER.pack(len(payload)) + payload
+
+
+# -- the verifier's end ---------------------------------------------------------------------------
+
+
+class RouterChannel:
+    """The verifier's channel to one router. Only the engine's thread adds to it and flushes it,
+    once a step; a send never blocks that thread (what the socket does not take now waits for
+    the next flush)."""
+
+    def __init__(self, reply_to: ReplyTo):
+        self.reply_to = reply_to
+        self.stream_id = uuid.uuid4().hex
+        self.requests: set[str] = set()  # its requests not yet finished (engine thread only)
+        self.closed_because = ""
+        try:
+            sock = socket.create_connection((reply_to.host, reply_to.port), timeout=CONNECT_TIMEOUT_S)
+        except OSError as err:
+            raise ConnectionError(f"cannot open the output stream to the router at {reply_to.host}:"
+                                  f"{reply_to.port}: {err}") from err
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        self._sock: socket.socket | None = sock
+        self._hung_up = select.poll()
+        self._hung_up.register(sock, _PEER_HUNG_UP)
+        self._step = outputs_pb2.StepOutputs()
+        self._unsent = bytearray(_frame(outputs_pb2.OutputsHello(
+            version=outputs_pb2.OUTPUTS_VERSION_1, token=reply_to.token, stream_id=self.stream_id)))
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def add(self, out: RequestOutput) -> None:
+        delta = self._step.outputs.add(request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text,
+                                       num_prompt_tokens=out.num_prompt_tokens,
+                                       num_output_tokens=out.num_output_tokens)
+        if out.finished:
+            delta.finish_reason = FINISH_REASONS.get(out.finish_reason, generation_pb2.FINISH_REASON_ERROR)
+            stats = out.stats
+            delta.spec_stats.CopyFrom(generation_pb2.SpecStats(
+                num_drafts=stats.rounds, num_draft_tokens=stats.draft_tokens,
+                num_accepted_tokens=stats.accepted_tokens, mean_acceptance_length=stats.mean_acceptance_length,
+                accepted_per_position=stats.accepted_per_position))
+            if out.error:
+                delta.error = out.error
+
+    def flush(self) -> bool:
+        """Sends this step's deltas and whatever earlier flushes left; False once the router is gone."""
+        if self._sock is None:
+            return False
+        if self._step.outputs:
+            self._unsent += _frame(self._step)
+            self._step.Clear()
+        if self._hung_up.poll(0):
+            return self._close("the router closed the stream")
+        if not self._unsent:
+            return True
+        try:
+            sent = self._sock.send(self._unsent, _SEND_FLAGS)
+        except BlockingIOError:
+            sent = 0
+        except OSError as err:
+            return self._close(f"sending to the router failed: {err}")
+        del self._unsent[:sent]
+        if len(self._unsent) > MAX_UNSENT_BYTES:
+            return self._close(f"the router fell {len(self._unsent)} bytes behind")
+        return True
+
+    def close(self) -> None:
+        self._close("the verifier closed the stream")
+
+    def _close(self, reason: str) -> bool:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            self.closed_because = reason
+            sock.close()
+        return False
+
+
+# -- the router's end -----------------------------------------------------------------------------
+
+
+def _request_output(delta: outputs_pb2.RequestDelta) -> RequestOutput:
+    finished = delta.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED
+    stats = SpecStats()
+    if finished:
+        s = delta.spec_stats
+        stats = SpecStats(rounds=s.num_drafts, draft_tokens=s.num_draft_tokens, accepted_tokens=s.num_accepted_tokens,
+                          accepted_per_position=list(s.accepted_per_position))
+    return RequestOutput(delta.request_id, list(delta.token_ids), delta.text, finished,
+                         _REASON_OF.get(delta.finish_reason) if finished else None, delta.num_prompt_tokens,
+                         delta.num_output_tokens, stats, error=delta.error or None)
+
+
+class OutputListener:
+    """A router's end of the output streams: accepts the verifiers' channels, checks each one's
+    hello, and puts every delta into the queue of the request it belongs to (a `RequestOutput`)
+    or, when a channel closes first, a `StreamLost`. All on the router's event loop."""
+
+    def __init__(self, host: str = "127.0.0.1", *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+        self.host = host
+        self.max_frame_bytes = max_frame_bytes
+        self._token = secrets.token_bytes(16)
+        self._reply_to: ReplyTo | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._starting: asyncio.Lock | None = None
+        self._server: asyncio.Server | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, set[str]] = {}  # open channels by stream id: their requests still open here
+        self._closed: dict[str, None] = {}  # the last CLOSED_STREAMS_KEPT channels that closed, oldest first
+        self._early: dict[str, set[str]] = {}  # requests attached to a channel whose hello is not read yet
+
+    async def reply_to(self) -> ReplyTo:
+        """This router's address for the verifiers; listens from the first call on, on the
+        running event loop (a server has one for life; a test may run several in turn)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop, self._reply_to, self._starting = loop, None, asyncio.Lock()
+            if self._server is not None:
+                self._server.close()  # its loop is gone: nothing reads what it would accept
+        async with self._starting:
+            if self._reply_to is None:
+                self._server = await asyncio.start_server(self._serve, self.host, 0)
+                port = self._server.sockets[0].getsockname()[1]
+                self._reply_to = ReplyTo(self.host, port, self._token)
+        return self._reply_to
+
+    def open(self, request_id: str) -> asyncio.Queue:
+        """The queue the request's outputs will arrive in."""
+        self._queues[request_id] = queue = asyncio.Queue()
+        return queue
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        for requests in (*self._streams.values(), *self._early.values()):
+            requests.discard(request_id)
+
+    def attach(self, request_id: str, stream_id: str) -> None:
+        """The request's call ended and named the channel its outputs went to: whatever has not
+        arrived is still in that channel, so its loss is the request's. If it closed already,
+        the loss is put in the queue now (after anything it delivered)."""
+        if stream_id in self._streams:
+            self._streams[stream_id].add(request_id)
+        elif stream_id in self._closed:
+            if request_id in self._queues:
+                self._queues[request_id].put_nowait(StreamLost("the verifier's output stream closed"))
+        else:  # its hello is still on the way
+            self._early.setdefault(stream_id, set()).add(request_id)
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        stream_id, reason = None, "the verifier closed the stream"
+        try:
+            hello = outputs_pb2.OutputsHello.FromString(await self._read_frame(reader))
+            if hello.version != outputs_pb2.OUTPUTS_VERSION_1 or not secrets.compare_digest(hello.token, self._token):
+                log.warning("refused an output stream from %s: wrong version (%d) or token", peer, hello.version)
+                return
+            stream_id = hello.stream_id
+            requests = self._streams[stream_id] = self._early.pop(stream_id, set())
+            while True:
+                step = outputs_pb2.StepOutputs.FromString(await self._read_frame(reader))
+                for delta in step.outputs:
+                    queue = self._queues.get(delta.request_id)
+                    if queue is None:  # finished or cancelled here already
+                        continue
+                    out = _request_output(delta)
+                    if out.finished:
+                        requests.discard(delta.request_id)
+                    else:
+                        requests.add(delta.request_id)
+                    queue.put_nowait(out)
+        except (asyncio.IncompleteReadError, ConnectionError) as err:
+            if not isinstance(err, asyncio.IncompleteReadError):
+                reason = f"the output stream from {peer} broke: {err}"
+        except Exception as err:  # noqa: BLE001 - a malformed frame: the stream cannot be trusted past it
+            reason = f"the output stream from {peer} sent a bad frame: {err}"
+            log.warning(reason)
+        finally:
+            writer.close()
+            if stream_id is not None:
+                self._closed[stream_id] = None
+                if len(self._closed) > CLOSED_STREAMS_KEPT:
+                    del self._closed[next(iter(self._closed))]
+                for request_id in self._streams.pop(stream_id, ()):
+                    if request_id in self._queues:
+                        self._queues[request_id].put_nowait(StreamLost(f"the verifier's output stream closed: {reason}"))
+
+    async def _read_frame(self, reader: asyncio.StreamReader) -> bytes:
+        (length,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+        if length > self.max_frame_bytes:
+            raise ConnectionError(f"a frame of {length} bytes, over the limit of {self.max_frame_bytes}")
+        return await reader.readexactly(length)
