@@ -177,6 +177,7 @@ class OutputListener:
         self._streams: dict[str, set[str]] = {}  # open channels by stream id: their requests still open here
         self._closed: dict[str, None] = {}  # the last CLOSED_STREAMS_KEPT channels that closed, oldest first
         self._early: dict[str, set[str]] = {}  # requests attached to a channel whose hello is not read yet
+        self._handlers: set[asyncio.Task] = set()  # one a channel
 
     async def reply_to(self) -> ReplyTo:
         """This router's address for the verifiers; listens from the first call on, on the
@@ -216,13 +217,18 @@ class OutputListener:
             self._early.setdefault(stream_id, set()).add(request_id)
 
     async def aclose(self) -> None:
+        """Stop listening and close every channel (their requests get a StreamLost)."""
         if self._server is not None:
             self._server.close()
+            for handler in list(self._handlers):
+                handler.cancel()
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         stream_id, reason = None, "the verifier closed the stream"
+        task = asyncio.current_task()
+        self._handlers.add(task)
         try:
             hello = outputs_pb2.OutputsHello.FromString(await self._read_frame(reader))
             if hello.version != outputs_pb2.OUTPUTS_VERSION_1 or not secrets.compare_digest(hello.token, self._token):
@@ -248,8 +254,14 @@ class OutputListener:
         except Exception as err:  # noqa: BLE001 - a malformed frame: the stream cannot be trusted past it
             reason = f"the output stream from {peer} sent a bad frame: {err}"
             log.warning(reason)
+        except asyncio.CancelledError:
+            reason = "the router closed the stream"
         finally:
-            writer.close()
+            self._handlers.discard(task)
+            try:
+                writer.close()
+            except RuntimeError:  # its event loop ended with the channel open (a test's asyncio.run)
+                return
             if stream_id is not None:
                 self._closed[stream_id] = None
                 if len(self._closed) > CLOSED_STREAMS_KEPT:
