@@ -287,7 +287,10 @@ class Engine:
         # The rounds since the owner last drained it. Bounded: the embedded API never drains it.
         self.round_log: collections.deque[RoundRecord] = collections.deque(maxlen=4096)
         # Benchmark-only: force the mean accepted length τ of every round (labelled wherever used).
-        self.synthetic_tau: float | None = None
+        self.synthetic_tau: float | None = config.synthetic_acceptance_length
+        if self.synthetic_tau is not None:
+            log.warning("SYNTHETIC acceptance (benchmarks only): every drafting round accepts to a mean length of %g; "
+                        "outputs are not the target's", self.synthetic_tau)
         self._synthetic_debt = 0.0
         # How many drafts each round verifies; its costs come from `measure_round_costs`.
         self.speculation = SpeculationPolicy(config, self.block_size)

@@ -296,8 +296,8 @@ def check_known_acceptance(run: dict, requests: int) -> None:
 
 def test_embedded_runs_at_each_concurrency(model_pair):
     target, drafter = model_pair
-    engine = build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=4, speculation="fixed"))
-    engine.synthetic_tau = 3.0
+    engine = build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=4, speculation="fixed",
+                                       synthetic_acceptance_length=3.0))
     runs = run_bench(EmbeddedBackend(engine), {"toy": PROMPTS}, [Load(1), Load(4)], SAMPLING, warmup=1,
                      show_progress=False)
     assert [(r["dataset"], r["concurrency"]) for r in runs] == [("toy", 1), ("toy", 4)]
@@ -667,10 +667,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 @pytest.fixture(scope="module")
 def verifier(model_pair):
     target, drafter = model_pair
+    # SYNTHETIC acceptance through the config, as a served benchmark pair gets it.
     verifier = Verifier({"engine": {"target": target, "drafter": drafter, "max_num_seqs": 4, "max_tokens_limit": 64,
-                                    "speculation": "fixed"},
+                                    "speculation": "fixed", "synthetic_acceptance_length": 3.0},
                          "topology": "colocated"})
-    verifier.engine.synthetic_tau = 3.0
     yield InProcessVerifierHandle(verifier)
     verifier.shutdown()
 

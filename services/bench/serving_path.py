@@ -1,0 +1,295 @@
+"""The serving path against the engine: the same prompts through `dflash bench --embedded` and
+through a running `dflash serve` (gRPC, and OpenAI streaming), colocated and split, on one
+machine in one call; a table of served tokens/s over embedded and of the TTFT serving adds.
+
+    python -m dflash_serve.services.bench.serving_path --case default --data-dir bench-data --out DIR
+
+Cases (each its own models, prompts and loads; `--size tiny` builds every model at a tiny shape,
+for a CPU):
+- default: the default pair (SmolLM2-135M-Instruct and its drafter), HumanEval and alpaca through
+  the chat template (OpenAI: chat completions), T 0 and 1, c 1, 8, 32.
+- qwen3-8b-target: a random-weight Qwen3-8B-shaped target alone (written under DIR/models, with a
+  word-level tokenizer over its vocabulary), random 256-token prompts, 256 tokens each
+  (ignore_eos), c 1, 8, 32, 64. No drafter: it isolates the serving path from the split.
+- qwen3-8b-pair: that target and a random Qwen3-8B-DFlash-b16-shaped drafter at SYNTHETIC
+  acceptance (tau 6.5, `engine.synthetic_acceptance_length`; its outputs are not the target's),
+  c 1 and 32.
+
+Goals (issue 67): served colocated >= 0.9 x embedded in every cell, served split >= 0.85 x
+embedded (colocated), TTFT added by serving <= 2 ms at c 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GOALS = {"colocated": 0.9, "split": 0.85}
+TTFT_ADDED_GOAL_MS = 2.0
+SERVE_START_TIMEOUT_S = 900.0
+
+
+@dataclass
+class Case:
+    name: str
+    datasets: str
+    concurrency: str
+    temperatures: tuple[float, ...]
+    num_prompts: int
+    max_tokens: int
+    topologies: tuple[str, ...]
+    chat: bool  # OpenAI: chat completions (prompt sets with a chat template) or completions (token ids)
+    bench_flags: list[str] = field(default_factory=list)  # for every `dflash bench`
+    engine_flags: list[str] = field(default_factory=list)  # for the embedded engine and the server alike
+
+
+def cases(size: str, models: Path, data_dir: str | None) -> dict[str, Case]:
+    tiny = size == "tiny"
+    random_set = ["--input-len", "16" if tiny else "256", "--output-len", "8" if tiny else "256", "--ignore-eos",
+                  "--seed", "0"]
+    return {
+        "default": Case("default", "humaneval,alpaca", "1,2" if tiny else "1,8,32", (0.0, 1.0), 4 if tiny else 48,
+                        8 if tiny else 256, ("colocated", "split"), chat=True,
+                        bench_flags=["--data-dir", str(data_dir), "--seed", "0"] if data_dir else [],
+                        engine_flags=_default_pair_flags(models) if tiny else []),
+        "qwen3-8b-target": Case("qwen3-8b-target", "random", "1,2" if tiny else "1,8,32,64", (0.0,),
+                                4 if tiny else 64, 8 if tiny else 256, ("colocated",), chat=False, bench_flags=random_set,
+                                engine_flags=["--target", str(models / "qwen3-8b"), "--drafter", "none",
+                                              "--max-num-seqs", "2" if tiny else "64"]),
+        "qwen3-8b-pair": Case("qwen3-8b-pair", "random", "1,2" if tiny else "1,32", (0.0,), 4 if tiny else 64,
+                              8 if tiny else 256, ("colocated", "split"), chat=False, bench_flags=random_set,
+                              engine_flags=["--target", str(models / "qwen3-8b"), "--drafter",
+                                            str(models / "qwen3-8b-dflash"), "--synthetic-acceptance-length", "6.5"]),
+    }
+
+
+def _default_pair_flags(models: Path) -> list[str]:
+    """--size tiny: the default case on the tiny pair, which has a chat template of its own."""
+    return ["--target", str(models / "qwen3-8b"), "--drafter", str(models / "qwen3-8b-dflash")]
+
+
+# -- models ----------------------------------------------------------------------------------------
+
+
+def write_models(models: Path, size: str, device: str) -> None:
+    """The random Qwen3-8B-shaped target (with a tokenizer) and DFlash drafter, once."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_serve.services.bench.spec_engine import QWEN3_8B, QWEN3_8B_DFLASH_B16
+    from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel, save_drafter
+
+    target_dir, drafter_dir = models / "qwen3-8b", models / "qwen3-8b-dflash"
+    if (target_dir / "tokenizer.json").exists() and (drafter_dir / "config.json").exists():
+        return  # written whole before (the tokenizer is written last)
+    shape, drafter_cfg = dict(QWEN3_8B), json.loads(json.dumps(QWEN3_8B_DFLASH_B16))
+    if size == "tiny":
+        small = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16)
+        shape.update(small, num_hidden_layers=4, max_position_embeddings=2048)
+        drafter_cfg.update(small, num_hidden_layers=2, num_target_layers=4, layer_types=["full_attention"] * 2,
+                           max_position_embeddings=2048, block_size=8,
+                           dflash_config={"mask_token_id": 511, "target_layer_ids": [0, 2]})
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    print(f"writing a random Qwen3-8B-shaped target and drafter ({size}) to {models}", flush=True)
+    with torch.device(device):
+        target = Qwen3ForCausalLM(Qwen3Config(**shape, eos_token_id=0, bos_token_id=0)).to(dtype).eval()
+        drafter = DFlashDraftModel(DFlashDraftConfig.from_dict(drafter_cfg)).to(dtype).eval()
+        for p in drafter.parameters():
+            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+    save_drafter(drafter, drafter_dir)
+    target.save_pretrained(target_dir)
+    word_level_tokenizer(shape["vocab_size"]).save_pretrained(target_dir)
+    del target, drafter
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    print("models written", flush=True)
+
+
+def word_level_tokenizer(vocab_size: int):
+    """A tokenizer with one word per id (`t0` ... ), with a chat template: random weights have no
+    tokenizer of their own, and the router and the engine's detokenizer need one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t0", unk_token="t1")
+    fast.chat_template = "{% for m in messages %}t2 {{ m['content'] }} {% endfor %}t3"
+    return fast
+
+
+# -- runs ------------------------------------------------------------------------------------------
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dflash_serve.services.cli", *args]
+
+
+def bench(case: Case, out: Path, temperature: float, backend: list[str], log) -> dict:
+    """One `dflash bench` over the case's sets and loads; its results.json."""
+    command = cli("bench", *backend, *case.bench_flags, "--dataset", case.datasets, "--concurrency", case.concurrency,
+                  "--num-prompts", str(case.num_prompts), "--max-tokens", str(case.max_tokens),
+                  "--temperature", str(temperature), "--out", str(out))
+    print("$ " + " ".join(command[2:]), file=log, flush=True)
+    subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+    return json.loads((out / "results.json").read_text())
+
+
+class Server:
+    """`dflash serve` in a process of its own, up once it says so; stopped with SIGINT."""
+
+    def __init__(self, flags: list[str], log_path: Path):
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - open as long as the server
+        # RAY_ADDRESS=local: a Ray of its own, never one this machine already runs (a test session's).
+        self.process = subprocess.Popen(cli("serve", *flags), stdout=self._log, stderr=subprocess.STDOUT,
+                                        start_new_session=True, env={**os.environ, "RAY_ADDRESS": "local"})
+        deadline = time.monotonic() + SERVE_START_TIMEOUT_S
+        while "dflash-serve is up" not in log_path.read_text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"dflash serve did not come up; the end of its log ({log_path}):\n"
+                                   + log_path.read_text()[-4000:])
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log.close()
+
+
+def run_case(case: Case, out: Path, args: argparse.Namespace, log, results: list[dict], save) -> None:
+    """Every path of the case: embedded, then each topology's server over each protocol; each
+    run's rows go into `results`, saved as they come."""
+
+    def record(path: str, protocol: str, temperature: float, report: dict) -> None:
+        for run in report["runs"]:
+            results.append({"case": case.name, "path": path, "protocol": protocol, "temperature": temperature,
+                             "dataset": run["dataset"], "concurrency": run["concurrency"],
+                             "output_tok_s": run["output_tok_s"], "ttft_mean_ms": run["ttft_ms"]["mean"],
+                             "tpot_mean_ms": run["tpot_ms"]["mean"], "tau": run["tau"], "failed": run["failed"]})
+        save()
+
+    if args.embedded:
+        for t in case.temperatures:
+            embedded = ["--embedded", *case.engine_flags, *args.device_flags]
+            record("embedded", "in-process", t, bench(case, out / f"embedded-t{t:g}", t, embedded, log))
+    for topology in [t for t in case.topologies if t in args.topologies]:
+        flags = [*case.engine_flags, *args.device_flags, "--topology", topology, "--grpc-port", str(args.grpc_port),
+                 "--http-port", str(args.http_port), "--metrics-port", str(args.metrics_port)]
+        print(f"starting dflash serve ({case.name}, {topology})", flush=True)
+        server = Server(flags, out / f"serve-{topology}.log")
+        try:
+            for t in case.temperatures:
+                grpc = ["--backend", "grpc", "--address", f"127.0.0.1:{args.grpc_port}"]
+                record(topology, "grpc", t, bench(case, out / f"{topology}-grpc-t{t:g}", t, grpc, log))
+                openai = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{args.http_port}",
+                          "--endpoint", "/v1/chat/completions" if case.chat else "/v1/completions"]
+                if not case.chat:  # random token prompts: the tokenizer tells the bench the vocabulary
+                    openai += ["--tokenizer", case.engine_flags[case.engine_flags.index("--target") + 1]]
+                record(topology, "openai", t, bench(case, out / f"{topology}-openai-t{t:g}", t, openai, log))
+        finally:
+            server.stop()
+
+
+# -- the table -------------------------------------------------------------------------------------
+
+
+def table(results: list[dict]) -> str:
+    """One row per (case, set, T, c): embedded tok/s and TTFT, then each served path's tok/s (x
+    embedded) and TTFT added, marked where a goal is missed."""
+    served = sorted({(r["path"], r["protocol"]) for r in results if r["path"] != "embedded"},
+                    key=lambda p: (p[0] != "colocated", p[1]))
+    head = ["case", "set", "T", "c", "embedded tok/s", "TTFT ms", *[f"{p} {q}" for p, q in served]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    keyed = {(r["case"], r["dataset"], r["temperature"], r["concurrency"], r["path"], r["protocol"]): r
+             for r in results}
+    rows = sorted({k[:4] for k in keyed if k[4] == "embedded"}, key=lambda k: (k[0], k[1], k[2], k[3]))
+    for case, dataset, t, c in rows:
+        base = keyed[(case, dataset, t, c, "embedded", "in-process")]
+        cells = [case, dataset, f"{t:g}", str(c), f"{base['output_tok_s']:,.0f}", f"{base['ttft_mean_ms']:.1f}"]
+        for path, protocol in served:
+            r = keyed.get((case, dataset, t, c, path, protocol))
+            if r is None:
+                cells.append("")
+                continue
+            ratio = r["output_tok_s"] / base["output_tok_s"] if base["output_tok_s"] else 0.0
+            added = r["ttft_mean_ms"] - base["ttft_mean_ms"]
+            missed = ratio < GOALS[path] or (c == 1 and added > TTFT_ADDED_GOAL_MS) or r["failed"]
+            cells.append(f"{r['output_tok_s']:,.0f} ({ratio:.2f}×; TTFT +{added:.1f} ms)" + (" ✗" if missed else ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", default="default", help="comma-separated: default, qwen3-8b-target, qwen3-8b-pair")
+    parser.add_argument("--size", choices=["real", "tiny"], default="real", help="tiny: tiny models (a CPU)")
+    parser.add_argument("--data-dir", help="the bench-data folder (the default case's prompt sets)")
+    parser.add_argument("--models", help="where the random models are written (default OUT/models)")
+    parser.add_argument("--device", help="engine.device for every engine (default: cuda where there is one)")
+    parser.add_argument("--grpc-port", type=int, default=9000)
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--metrics-port", type=int, default=8080)
+    parser.add_argument("--topologies", default="colocated,split", help="the served topologies to run (of a case's)")
+    parser.add_argument("--no-embedded", dest="embedded", action="store_false",
+                        help="keep the embedded rows of an earlier run in --out instead of running them again")
+    parser.add_argument("--out", default="serving-path", help="folder for every run's report and serving_path.json/.md")
+    args = parser.parse_args(argv)
+    args.topologies = args.topologies.split(",")
+    out = Path(args.out)
+    models = Path(args.models) if args.models else out / "models"
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.device_flags = ["--device", device]
+    known = cases(args.size, models, args.data_dir)
+    names = args.case.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; choose from {', '.join(known)}")
+    if "default" in names and args.size == "real" and not args.data_dir:
+        parser.error("the default case reads its prompt sets from --data-dir")
+    if args.size == "tiny" or set(names) - {"default"}:
+        write_models(models, args.size, device)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "serving_path.json"
+    kept = json.loads(results_path.read_text())["results"] if results_path.exists() else []
+    paths = set(args.topologies) | ({"embedded"} if args.embedded else set())
+    results = [r for r in kept if r["case"] not in names or r["path"] not in paths]  # rows run again are replaced
+
+    def save() -> None:
+        results_path.write_text(json.dumps({"size": args.size, "device": _device_name(device),
+                                            "results": results}, indent=1))
+
+    with open(out / "bench.log", "a") as log:
+        for name in names:
+            run_case(known[name], out / name, args, log, results, save)
+    text = table(results)
+    (out / "serving_path.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
