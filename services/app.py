@@ -75,7 +75,8 @@ class VerifierDeployment:
         from dflash_serve.services.verifier.verifier import Verifier
 
         _log_through_serve()
-        self.verifier = Verifier(config, metrics=_replica_metrics("verifier", config["engine"]["target"]))
+        # model_name: the name the API serves, as vLLM's label is (not the target's path in the model cache).
+        self.verifier = Verifier(config, metrics=_replica_metrics("verifier", ServeConfig.from_dict(config).model_name))
         freeze_startup_objects()
 
     async def generate(self, prompt_ids, params, request_id, reply_to) -> str:

@@ -255,7 +255,7 @@ def test_series_carry_vllms_model_name_and_finished_reasons(app):
         found = {}
         for line in _scrape(app):
             if match := pattern.match(line):
-                assert 'model_name="' in line and 'model="' not in line, line
+                assert f'model_name="{app["config"].model_name}"' in line and 'model="' not in line, line
                 found[match[1]] = found.get(match[1], 0.0) + float(match[2])
         return found if found.get("length", 0) > 0 and found.get("abort", 0) > 0 else None
 
