@@ -203,6 +203,8 @@ class OutputListener:
         self._queues.pop(request_id, None)
         for requests in (*self._streams.values(), *self._early.values()):
             requests.discard(request_id)
+        for stream_id in [s for s, requests in self._early.items() if not requests]:
+            del self._early[stream_id]
 
     def attach(self, request_id: str, stream_id: str) -> None:
         """The request's call ended and named the channel its outputs went to: whatever has not

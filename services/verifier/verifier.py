@@ -257,8 +257,12 @@ class Verifier:
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         channel = self._channels.get(reply_to)
-        if channel is None or channel.closed:
-            channel = self._channels[reply_to] = RouterChannel(reply_to)  # once per router
+        if channel is None or channel.closed:  # once per router (and again after its channel closed)
+            for gone in [key for key, known in self._channels.items() if known.closed]:
+                del self._channels[gone]
+            # Connecting can wait seconds for a router that is gone: not on the loop every call shares.
+            channel = await loop.run_in_executor(None, RouterChannel, reply_to)
+            self._channels[reply_to] = channel
         added: asyncio.Future = loop.create_future()
         call = _Call(channel, loop, loop.create_future())
 

@@ -175,3 +175,33 @@ def test_cancelling_the_call_cancels_the_request_and_frees_its_blocks(verifier):
 
     asyncio.run(scenario())
     assert _free_blocks_return(verifier)
+
+
+def test_a_router_gets_one_channel_and_a_new_one_once_it_closed(verifier):
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def two_requests(listener: OutputListener) -> list[str]:
+        reply_to = await listener.reply_to()
+        ids = []
+        for request_id in ("one", "two"):
+            queue = listener.open(request_id)
+            ids.append(await asyncio.wait_for(verifier.generate([1, 2], params, request_id, reply_to), 30))
+            while not (await asyncio.wait_for(queue.get(), 30)).finished:
+                pass
+            listener.close(request_id)
+        return ids
+
+    async def scenario():
+        first, second = OutputListener(), OutputListener()
+        old = await two_requests(first)
+        await first.aclose()  # that router's process ends
+        deadline = time.monotonic() + 10
+        while not all(channel.closed for channel in verifier._channels.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)  # the engine's loop sees the hang-up at its next flush
+        new = await two_requests(second)
+        await second.aclose()
+        return old, new
+
+    old, new = asyncio.run(scenario())
+    assert old[0] == old[1] and new[0] == new[1] and old[0] != new[0]  # one channel per router at a time
+    assert len(verifier._channels) == 1  # the closed one was dropped
