@@ -203,7 +203,7 @@ class Router:
                 reply_to = await self.verifier_outputs.reply_to()
                 call = self.verifier.generate.remote(prompt_ids, params, request_id, reply_to)
                 ended = asyncio.ensure_future(call)
-                ended.add_done_callback(lambda task: queue.put_nowait(_CallEnded(task)))
+                ended.add_done_callback(lambda task: self.verifier_outputs.put_end(request_id, _CallEnded(task)))
                 last: RequestOutput | None = None
                 try:
                     async for last in self._merged_outputs(request_id, queue):
@@ -248,7 +248,8 @@ class Router:
                 if out.finished:
                     return
                 if self.stream_messages_per_s > 0:  # the next steps' outputs gather meanwhile: one message
-                    await asyncio.sleep(len(self._in_flight) / self.stream_messages_per_s)
+                    await self.verifier_outputs.wait_unless_ended(request_id,
+                                                                  len(self._in_flight) / self.stream_messages_per_s)
             item = await queue.get()
 
     async def _first_item(self, queue: asyncio.Queue):

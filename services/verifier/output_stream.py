@@ -178,6 +178,7 @@ class OutputListener:
         self._closed: dict[str, None] = {}  # the last CLOSED_STREAMS_KEPT channels that closed, oldest first
         self._early: dict[str, set[str]] = {}  # requests attached to a channel whose hello is not read yet
         self._handlers: set[asyncio.Task] = set()  # one a channel
+        self._wakers: dict[str, asyncio.Future] = {}  # of requests waiting between paced messages
 
     async def reply_to(self) -> ReplyTo:
         """This router's address for the verifiers; listens from the first call on, on the
@@ -199,8 +200,28 @@ class OutputListener:
         self._queues[request_id] = queue = asyncio.Queue()
         return queue
 
+    async def wait_unless_ended(self, request_id: str, seconds: float) -> None:
+        """Sleep `seconds`, or less if the request's last output (or its end by a failure) arrives
+        meanwhile: a paced request's last message is not held back."""
+        woken = self._wakers[request_id] = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait((woken,), timeout=seconds)
+        finally:
+            self._wakers.pop(request_id, None)
+
+    def put_end(self, request_id: str, item) -> None:
+        """Put what ends the request (its last output, a StreamLost, its call's end) and wake it."""
+        queue = self._queues.get(request_id)
+        if queue is None:
+            return
+        queue.put_nowait(item)
+        woken = self._wakers.pop(request_id, None)
+        if woken is not None and not woken.done():
+            woken.set_result(None)
+
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self._wakers.pop(request_id, None)
         for requests in (*self._streams.values(), *self._early.values()):
             requests.discard(request_id)
         for stream_id in [s for s, requests in self._early.items() if not requests]:
@@ -213,8 +234,7 @@ class OutputListener:
         if stream_id in self._streams:
             self._streams[stream_id].add(request_id)
         elif stream_id in self._closed:
-            if request_id in self._queues:
-                self._queues[request_id].put_nowait(StreamLost("the verifier's output stream closed"))
+            self.put_end(request_id, StreamLost("the verifier's output stream closed"))
         else:  # its hello is still on the way
             self._early.setdefault(stream_id, set()).add(request_id)
 
@@ -247,9 +267,10 @@ class OutputListener:
                     out = _request_output(delta)
                     if out.finished:
                         requests.discard(delta.request_id)
+                        self.put_end(delta.request_id, out)
                     else:
                         requests.add(delta.request_id)
-                    queue.put_nowait(out)
+                        queue.put_nowait(out)
         except (asyncio.IncompleteReadError, ConnectionError) as err:
             if not isinstance(err, asyncio.IncompleteReadError):
                 reason = f"the output stream from {peer} broke: {err}"
@@ -269,8 +290,7 @@ class OutputListener:
                 if len(self._closed) > CLOSED_STREAMS_KEPT:
                     del self._closed[next(iter(self._closed))]
                 for request_id in self._streams.pop(stream_id, ()):
-                    if request_id in self._queues:
-                        self._queues[request_id].put_nowait(StreamLost(f"the verifier's output stream closed: {reason}"))
+                    self.put_end(request_id, StreamLost(f"the verifier's output stream closed: {reason}"))
 
     async def _read_frame(self, reader: asyncio.StreamReader) -> bytes:
         (length,) = HEADER.unpack(await reader.readexactly(HEADER.size))
