@@ -272,13 +272,13 @@ class Verifier:
                     raise ConnectionError(f"the output stream to the router closed: {channel.closed_because}")
                 self.engine.add_request(prompt_ids, params, request_id)
             except (ValueError, ConnectionError) as err:
-                loop.call_soon_threadsafe(_settle, added, err)
+                _settle_from_engine(loop, added, err)
                 return
             self._requests[request_id] = call
             channel.requests.add(request_id)
             self._open_channels.add(channel)
             self._arrivals[request_id] = time.monotonic()
-            loop.call_soon_threadsafe(_settle, added, None)
+            _settle_from_engine(loop, added, None)
 
         self._commands.put(add)
         try:
@@ -406,8 +406,16 @@ class Verifier:
             channel.close()
 
 
+def _settle_from_engine(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result) -> None:
+    """Sets a call's future from the engine's thread, through the call's event loop."""
+    try:
+        loop.call_soon_threadsafe(_settle, future, result)
+    except RuntimeError:  # that loop has ended: nothing awaits the call any more (it must not stop the engine)
+        pass
+
+
 def _settle(future: asyncio.Future, result) -> None:
-    """Sets a future from the engine's thread (through its loop); an exception is raised by it."""
+    """Sets a future on its loop; an exception is raised by it."""
     if future.done():  # its call was cancelled meanwhile
         return
     if isinstance(result, BaseException):
@@ -425,4 +433,4 @@ class _Call:
         self.channel, self.loop, self.done = channel, loop, done
 
     def settle(self, result) -> None:
-        self.loop.call_soon_threadsafe(_settle, self.done, result)
+        _settle_from_engine(self.loop, self.done, result)

@@ -205,3 +205,26 @@ def test_a_router_gets_one_channel_and_a_new_one_once_it_closed(verifier):
     old, new = asyncio.run(scenario())
     assert old[0] == old[1] and new[0] == new[1] and old[0] != new[0]  # one channel per router at a time
     assert len(verifier._channels) == 1  # the closed one was dropped
+
+
+def test_a_call_whose_event_loop_ended_does_not_stop_the_engine(verifier):
+    """The engine's thread settles each call through the call's event loop; one that has ended
+    (nothing awaits the call any more) is passed over, and the verifier keeps serving."""
+    loop = asyncio.new_event_loop()
+    listener = OutputListener()
+
+    async def start():
+        queue = listener.open("orphan")
+        task = asyncio.ensure_future(verifier.generate(
+            [1, 2], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), "orphan",
+            await listener.reply_to()))
+        await asyncio.wait_for(queue.get(), 30)  # it runs
+        return task
+
+    loop.run_until_complete(start())
+    loop.close()  # with the call still awaiting its request's end, which the engine will settle
+    assert _free_blocks_return(verifier)  # the request ran to its end
+    verifier.check_health()  # the engine's loop is alive
+    outputs = asyncio.run(asyncio.wait_for(
+        run_request(verifier, [3, 4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), "after"), 30))
+    assert outputs[-1].finished and outputs[-1].num_output_tokens == 4
