@@ -178,7 +178,7 @@ class OutputListener:
         self._closed: dict[str, None] = {}  # the last CLOSED_STREAMS_KEPT channels that closed, oldest first
         self._early: dict[str, set[str]] = {}  # requests attached to a channel whose hello is not read yet
         self._handlers: set[asyncio.Task] = set()  # one a channel
-        self._wakers: dict[str, asyncio.Future] = {}  # of requests waiting between paced messages
+        self._wakers: dict[str, asyncio.Future] = {}  # per open request: done once its end is queued
 
     async def reply_to(self) -> ReplyTo:
         """This router's address for the verifiers; listens from the first call on, on the
@@ -201,13 +201,11 @@ class OutputListener:
         return queue
 
     async def wait_unless_ended(self, request_id: str, seconds: float) -> None:
-        """Sleep `seconds`, or less if the request's last output (or its end by a failure) arrives
-        meanwhile: a paced request's last message is not held back."""
-        woken = self._wakers[request_id] = asyncio.get_running_loop().create_future()
-        try:
-            await asyncio.wait((woken,), timeout=seconds)
-        finally:
-            self._wakers.pop(request_id, None)
+        """Sleep `seconds`, or less if what ends the request (its last output, its failure) arrives
+        meanwhile or is here already: a paced request's last message is not held back."""
+        ended = self._ended(request_id)
+        if not ended.done():
+            await asyncio.wait((ended,), timeout=seconds)
 
     def put_end(self, request_id: str, item) -> None:
         """Put what ends the request (its last output, a StreamLost, its call's end) and wake it."""
@@ -215,9 +213,16 @@ class OutputListener:
         if queue is None:
             return
         queue.put_nowait(item)
-        woken = self._wakers.pop(request_id, None)
-        if woken is not None and not woken.done():
-            woken.set_result(None)
+        ended = self._ended(request_id)
+        if not ended.done():
+            ended.set_result(None)
+
+    def _ended(self, request_id: str) -> asyncio.Future:
+        """Done once something that ends the request is in its queue."""
+        ended = self._wakers.get(request_id)
+        if ended is None:
+            ended = self._wakers[request_id] = asyncio.get_running_loop().create_future()
+        return ended
 
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)

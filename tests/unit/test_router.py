@@ -745,3 +745,23 @@ def test_with_a_message_budget_a_request_waits_after_each_message_and_sends_what
     assert context.code is None
     assert [r.text for r in responses] == ["a", "bcde"] and responses[-1].usage.completion_tokens == 5
     assert time.monotonic() - start < 5.0  # not the 10 s wait
+
+
+def test_a_paced_request_whose_end_arrived_while_its_last_message_was_read_does_not_wait(tokenizer):
+    """The end is already queued when the wait would start: no wait at all."""
+    async def two_then_end(prompt_ids, params, request_id):
+        yield output(request_id, prompt_ids, [10], "a", 1)
+        await asyncio.sleep(0.05)
+        yield output(request_id, prompt_ids, [11], "b", 2, FinishReason.LENGTH)
+
+    async def scenario(router):
+        stream = router.Generate(generation_pb2.GenerateRequest(prompt="hi"), FakeContext())
+        first = await anext(stream)
+        await asyncio.sleep(0.3)  # the end arrives while the client holds the first message
+        start = time.monotonic()
+        rest = [r async for r in stream]
+        return first, rest, time.monotonic() - start
+
+    router = make_router(tokenizer, FakeVerifier(two_then_end), stream_messages_per_s=0.1)
+    first, rest, waited = asyncio.run(scenario(router))
+    assert first.text == "a" and [r.text for r in rest] == ["b"] and waited < 5.0  # not the 10 s wait
