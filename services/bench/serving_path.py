@@ -140,7 +140,8 @@ def bench(case: Case, out: Path, temperature: float, backend: list[str], log) ->
                   "--num-prompts", str(case.num_prompts), "--max-tokens", str(case.max_tokens),
                   "--temperature", str(temperature), "--out", str(out))
     print("$ " + " ".join(command[2:]), file=log, flush=True)
-    subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+    if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
+        raise RuntimeError(f"dflash bench failed ({' '.join(command[2:])}); its output is in {log.name}")
     return json.loads((out / "results.json").read_text())
 
 
@@ -251,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="serving-path", help="folder for every run's report and serving_path.json/.md")
     args = parser.parse_args(argv)
     args.topologies = args.topologies.split(",")
+    if not set(args.topologies) <= {"colocated", "split"}:
+        parser.error(f"--topologies takes colocated and/or split, got {','.join(args.topologies)!r}")
     out = Path(args.out)
     models = Path(args.models) if args.models else out / "models"
     import torch

@@ -26,9 +26,9 @@ _RECV_BYTES = 2**20  # most one recv asks for: frames are small, Hello the large
 BUSY_POLL_SECONDS = 0.02
 
 # Linux reports a peer's FIN as POLLRDHUP even while its earlier frames are still unread here.
-_PEER_HUNG_UP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
+PEER_HUNG_UP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 # A send to a dead peer must raise, not deliver SIGPIPE (Python ignores it, a host may not).
-_SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)
+SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)
 
 
 class ChannelClosed(ConnectionError):
@@ -59,7 +59,7 @@ class FrameChannel:
         self._readable = select.poll()
         self._readable.register(sock, select.POLLIN)
         self._hung_up = select.poll()
-        self._hung_up.register(sock, _PEER_HUNG_UP)
+        self._hung_up.register(sock, PEER_HUNG_UP)
 
     def send(self, message: Message) -> None:
         payload = message.SerializeToString()
@@ -72,7 +72,7 @@ class FrameChannel:
         if self._hung_up.poll(0):
             self._fail(ChannelClosed, "the peer closed the channel")
         try:
-            sock.sendall(HEADER.pack(len(payload)) + payload, _SEND_FLAGS)
+            sock.sendall(HEADER.pack(len(payload)) + payload, SEND_FLAGS)
         except OSError as err:
             self._fail(ChannelClosed, f"sending to the peer failed: {err}")
 

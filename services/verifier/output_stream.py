@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from dflash_serve.services.api.dflash.v1 import generation_pb2, outputs_pb2
 from dflash_serve.services.engine.request import RequestOutput, SpecStats
 from dflash_serve.services.engine.stopping import FinishReason
-from dflash_serve.services.transport.channel import DEFAULT_MAX_FRAME_BYTES, HEADER
+from dflash_serve.services.transport.channel import DEFAULT_MAX_FRAME_BYTES, HEADER, PEER_HUNG_UP, SEND_FLAGS
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,6 @@ MAX_UNSENT_BYTES = 64 * 2**20
 # Channels a router remembers as closed, for calls that end after their channel did (a verifier
 # restarts far less often than this many times within one request's life).
 CLOSED_STREAMS_KEPT = 1024
-_SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)
-_PEER_HUNG_UP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 
 FINISH_REASONS = {
     FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
@@ -89,7 +87,7 @@ class RouterChannel:
         sock.setblocking(False)
         self._sock: socket.socket | None = sock
         self._hung_up = select.poll()
-        self._hung_up.register(sock, _PEER_HUNG_UP)
+        self._hung_up.register(sock, PEER_HUNG_UP)
         self._step = outputs_pb2.StepOutputs()
         self._unsent = bytearray(_frame(outputs_pb2.OutputsHello(
             version=outputs_pb2.OUTPUTS_VERSION_1, token=reply_to.token, stream_id=self.stream_id)))
@@ -124,7 +122,7 @@ class RouterChannel:
         if not self._unsent:
             return True
         try:
-            sent = self._sock.send(self._unsent, _SEND_FLAGS)
+            sent = self._sock.send(self._unsent, SEND_FLAGS)
         except BlockingIOError:
             sent = 0
         except OSError as err:
