@@ -142,9 +142,6 @@ class ReplicaMetrics:
         if value:
             self._metrics[name].inc(value, tags=tags or None)
 
-    def request_finished(self, reason: FinishReason) -> None:
-        self.inc("dflash_request_success", finished_reason=FINISHED_REASONS[reason])
-
     def observe(self, name: str, value: float, **tags: str) -> None:
         self._metrics[name].observe(value, tags=tags or None)
 

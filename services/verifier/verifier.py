@@ -28,6 +28,7 @@ from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.models import TargetModel
 from dflash_serve.services.models.checkpoint import read_draft_config, resolve_checkpoint
+from dflash_serve.services.verifier.engine_metrics import EngineMetrics, RequestTimings
 from dflash_serve.services.verifier.output_stream import ReplyTo, RouterChannel
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,6 @@ class Verifier:
     def __init__(self, config: dict, *, drafter_actor=None, metrics=None):
         self.config = ServeConfig.from_dict(config)
         engine_cfg = self.config.engine
-        self.metrics = metrics
         self.drafter_actor = drafter_actor
         self._shared = []  # shared buffers the drafter maps; alive as long as this replica
         self._remote_proposer = None
@@ -110,9 +110,10 @@ class Verifier:
             self.draft_block_size = draft_cfg.block_size
             self._pending_address = None  # a restarted drafter's address, while it is asked for
             self._connect_drafter(address)
-        if self.metrics is not None and engine_cfg.drafter:
+        if metrics is not None and engine_cfg.drafter:
             for position in range(getattr(self, "draft_block_size", self.engine.block_size) - 1):
-                self.metrics.start_at_zero("dflash_spec_decode_num_accepted_tokens_per_pos", position=str(position))
+                metrics.start_at_zero("dflash_spec_decode_num_accepted_tokens_per_pos", position=str(position))
+        self.metrics = EngineMetrics(metrics) if metrics is not None else None  # recorded off the engine's thread
         self._commands: queue.Queue = queue.Queue()
         self._channels: dict[ReplyTo, RouterChannel] = {}  # by router, reused (the event loop's)
         self._open_channels: set[RouterChannel] = set()  # flushed after every step (the engine thread's)
@@ -181,8 +182,8 @@ class Verifier:
         losses = preemptions = queries = hits = 0
         next_gauges = 0.0
         while not self._stop.is_set():
-            if time.monotonic() >= next_gauges:  # also while idle: a gauge set once is not exported
-                self._set_gauges()
+            if self.metrics is not None and time.monotonic() >= next_gauges:  # also idle: a gauge set once is not exported
+                self._queue_gauges()
                 next_gauges = time.monotonic() + GAUGE_PERIOD_S
             try:
                 while True:
@@ -200,27 +201,21 @@ class Verifier:
                 continue
             outputs = self.engine.step()
             scheduler = self.engine.scheduler
-            if self.metrics:  # ReplicaMetrics.inc skips zeros
-                self.metrics.inc("dflash_drafter_restarts", self.engine.proposer_losses - losses)
-                self.metrics.inc("dflash_num_preemptions", scheduler.num_preemptions - preemptions)
-                self.metrics.inc("dflash_prefix_cache_queries", scheduler.prefix_cache_queries - queries)
-                self.metrics.inc("dflash_prefix_cache_hits", scheduler.prefix_cache_hits - hits)
+            if self.metrics is not None:  # EngineMetrics.count skips zeros
+                self.metrics.count("dflash_drafter_restarts", self.engine.proposer_losses - losses)
+                self.metrics.count("dflash_num_preemptions", scheduler.num_preemptions - preemptions)
+                self.metrics.count("dflash_prefix_cache_queries", scheduler.prefix_cache_queries - queries)
+                self.metrics.count("dflash_prefix_cache_hits", scheduler.prefix_cache_hits - hits)
+                self._queue_token_gaps(outputs)
             losses, preemptions = self.engine.proposer_losses, scheduler.num_preemptions
             queries, hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
             for out in outputs:
                 self._deliver(out)
             self._flush_outputs()
-            self._record_step()
+            self._queue_step_metrics()
 
     def _deliver(self, out: RequestOutput) -> None:
         call = self._requests.get(out.request_id)
-        if self.metrics is not None and out.new_token_ids:
-            now = time.monotonic()
-            last = self._last_emit.get(out.request_id)
-            if last is not None:  # a round's tokens arrive together: spread its gap over them
-                for _ in out.new_token_ids:
-                    self.metrics.observe("dflash_inter_token_latency_seconds", (now - last) / len(out.new_token_ids))
-            self._last_emit[out.request_id] = now
         if call is not None:
             call.channel.add(out)
         if out.finished:
@@ -337,69 +332,57 @@ class Verifier:
 
     # -- metrics ---------------------------------------------------------------------------------
 
-    def _record_step(self) -> None:
-        m, engine = self.metrics, self.engine
-        if m is None:
+    def _queue_token_gaps(self, outputs: list[RequestOutput]) -> None:
+        """Each request's time since its last tokens, per token (a round's arrive together)."""
+        now, gaps = time.monotonic(), []
+        for out in outputs:
+            if not out.new_token_ids:
+                continue
+            last = self._last_emit.get(out.request_id)
+            if last is not None:
+                gaps.append(((now - last) / len(out.new_token_ids), len(out.new_token_ids)))
+            self._last_emit[out.request_id] = now
+        if gaps:
+            self.metrics.token_gaps(gaps)
+
+    def _queue_step_metrics(self) -> None:
+        engine = self.engine
+        if self.metrics is None:
             engine.round_log.clear()
             return
-        while engine.round_log:
-            record = engine.round_log.popleft()
-            m.observe("dflash_step_phase_seconds", record.verify_seconds, phase="verify")
-            if engine.proposer is not None or record.k:
-                m.observe("dflash_spec_decode_tokens_per_round", record.k)
-            if not record.k:
-                continue
-            m.observe("dflash_step_phase_seconds", record.draft_seconds, phase="draft")
-            # Verified drafts only: a request that limits them (or opts out) counts what it verified.
-            counted = [(d, a) for d, a in zip(record.draft_tokens, record.accepted, strict=True) if d]
-            m.inc("dflash_spec_decode_num_drafts", len(counted))
-            m.inc("dflash_spec_decode_num_draft_tokens", sum(d for d, _ in counted))
-            m.inc("dflash_spec_decode_num_accepted_tokens", sum(a for _, a in counted))
-            # One increment per position and round, not per accepted token: a Ray metric call costs
-            # ~2-3 µs of the engine's thread (a tenth of it at batch 32 on the H200, BENCHMARKS).
-            accepted_at = [0] * max((a for _, a in counted), default=0)
-            for _, a in counted:
-                m.observe("dflash_acceptance_length", a + 1)
-                for pos in range(a):
-                    accepted_at[pos] += 1
-            for pos, count in enumerate(accepted_at):
-                m.inc("dflash_spec_decode_num_accepted_tokens_per_pos", count, position=str(pos))
-        proposer = self._remote_proposer
-        if proposer is not None:
-            for seconds in proposer.drain_transport_seconds():
-                m.observe("dflash_step_phase_seconds", seconds, phase="transport")
-        self._set_gauges()
+        if engine.round_log:
+            self.metrics.rounds(list(engine.round_log), speculative=engine.proposer is not None)
+            engine.round_log.clear()
+        if self._remote_proposer is not None:
+            seconds = self._remote_proposer.drain_transport_seconds()
+            if seconds:
+                self.metrics.phase_seconds("transport", seconds)
 
-    def _set_gauges(self) -> None:
-        m, engine = self.metrics, self.engine
-        if m is None:
-            return
-        m.set("dflash_num_requests_running", engine.num_running)
-        m.set("dflash_num_requests_waiting", engine.num_waiting)
-        m.set("dflash_kv_cache_usage_perc", engine.kv_usage)
-        m.set("dflash_speculative_enabled", int(engine.proposer is not None))
+    def _queue_gauges(self) -> None:
+        engine = self.engine
+        self.metrics.gauges({"dflash_num_requests_running": engine.num_running,
+                             "dflash_num_requests_waiting": engine.num_waiting,
+                             "dflash_kv_cache_usage_perc": engine.kv_usage,
+                             "dflash_speculative_enabled": int(engine.proposer is not None)})
 
     def _record_request(self, out: RequestOutput) -> None:
         arrival = self._arrivals.pop(out.request_id, None)
         seq = self.engine.sequences.get(out.request_id)
         if self.metrics is None or arrival is None or seq is None:
             return
-        m, now = self.metrics, time.monotonic()
-        m.inc("dflash_prompt_tokens", out.num_prompt_tokens)
-        m.inc("dflash_generation_tokens", out.num_output_tokens)
-        m.request_finished(out.finish_reason or FinishReason.ERROR)
-        m.observe("dflash_e2e_request_latency_seconds", now - arrival)
-        if seq.scheduled_time is not None:
-            m.observe("dflash_request_queue_time_seconds", seq.scheduled_time - arrival)
-        if seq.first_token_time is not None:
-            m.observe("dflash_time_to_first_token_seconds", seq.first_token_time - arrival)
-            if out.num_output_tokens > 1:
-                m.observe("dflash_request_time_per_output_token_seconds",
-                          (now - seq.first_token_time) / (out.num_output_tokens - 1))
+        now, first = time.monotonic(), seq.first_token_time
+        self.metrics.request_finished(out.finish_reason or FinishReason.ERROR, RequestTimings(
+            prompt_tokens=out.num_prompt_tokens, output_tokens=out.num_output_tokens, e2e=now - arrival,
+            queue=None if seq.scheduled_time is None else seq.scheduled_time - arrival,
+            ttft=None if first is None else first - arrival,
+            tpot=(now - first) / (out.num_output_tokens - 1) if first is not None and out.num_output_tokens > 1
+            else None))
 
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self.metrics is not None:
+            self.metrics.close()
         for buffer in self._shared:
             buffer.close()
         for channel in self._channels.values():

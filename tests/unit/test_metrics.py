@@ -41,29 +41,46 @@ def test_vllm_names_map_onto_exported_series_with_their_suffixes():
     assert series["vllm:kv_cache_usage_perc"] == "ray_dflash_kv_cache_usage_perc"
 
 
+class _Recorded:
+    """A ReplicaMetrics stand-in that keeps every call."""
+
+    def __init__(self):
+        import collections
+
+        self.calls = []
+        self.counts, self.observed, self.gauges = collections.Counter(), collections.defaultdict(list), {}
+
+    def inc(self, name, value=1.0, **tags):
+        self.calls.append(name)
+        self.counts[(name, tuple(tags.values()))] += value
+
+    def observe(self, name, value, **tags):
+        self.observed[(name, tuple(tags.values()))].append(value)
+
+    def set(self, name, value):
+        self.gauges[name] = value
+
+
+def _engine_metrics():
+    from dflash_serve.services.verifier.engine_metrics import EngineMetrics
+
+    recorded = _Recorded()
+    metrics = EngineMetrics(recorded, period_s=3600.0)  # recorded when the test says
+    return metrics, recorded
+
+
 def test_spec_decode_counters_count_verified_drafts_and_the_chosen_k():
     """A round that verified k=3 of the drafts, for a request that limits them to 2 and one that
     opted out: draft and acceptance counters see only what each request verified; k is observed
-    once per round, an AR round's 0 too."""
-    import collections
-    from types import SimpleNamespace
-
+    once per round, an AR round's 0 too while a drafter serves."""
     from dflash_serve.services.engine.engine import RoundRecord
-    from dflash_serve.services.verifier.verifier import Verifier
 
-    counts, observed = collections.Counter(), collections.defaultdict(list)
-
-    class Recorder:
-        def inc(self, name, value=1.0, **tags):
-            counts[(name, tuple(tags.values()))] += value
-
-        def observe(self, name, value, **tags):
-            observed[(name, tuple(tags.values()))].append(value)
-
-    log = collections.deque([RoundRecord(3, [3, 2, 0], [3, 1, 0], 0.01, 0.02), RoundRecord(0, [0, 0], [0, 0], 0.0, 0.01)])
-    verifier = SimpleNamespace(metrics=Recorder(), engine=SimpleNamespace(round_log=log, proposer=object()),
-                               _remote_proposer=None, _set_gauges=lambda: None)
-    Verifier._record_step(verifier)
+    metrics, recorded = _engine_metrics()
+    metrics.rounds([RoundRecord(3, [3, 2, 0], [3, 1, 0], 0.01, 0.02), RoundRecord(0, [0, 0], [0, 0], 0.0, 0.01)],
+                   speculative=True)
+    metrics.rounds([RoundRecord(0, [0], [0], 0.0, 0.01)], speculative=False)  # target-only: no k observed
+    metrics.record_pending()
+    counts, observed = recorded.counts, recorded.observed
     assert counts[("dflash_spec_decode_num_drafts", ())] == 2
     assert counts[("dflash_spec_decode_num_draft_tokens", ())] == 5
     assert counts[("dflash_spec_decode_num_accepted_tokens", ())] == 4
@@ -71,4 +88,43 @@ def test_spec_decode_counters_count_verified_drafts_and_the_chosen_k():
     assert counts[("dflash_spec_decode_num_accepted_tokens_per_pos", ("2",))] == 1
     assert observed[("dflash_acceptance_length", ())] == [4, 2]
     assert observed[("dflash_spec_decode_tokens_per_round", ())] == [3, 0]
-    assert not log
+    assert observed[("dflash_step_phase_seconds", ("verify",))] == [0.02, 0.01, 0.01]
+    assert observed[("dflash_step_phase_seconds", ("draft",))] == [0.01]
+    metrics.close()
+
+
+def test_engine_metrics_sum_counters_over_a_period_and_observe_every_token():
+    """Counter events of a period become one increment a series; each token of a round is one
+    inter-token sample; a finished request records its counts and latencies, a cancelled one its
+    reason only; gauges are set as queued; the thread records what is left when closed."""
+    from dflash_serve.services.engine.stopping import FinishReason
+    from dflash_serve.services.verifier.engine_metrics import EngineMetrics, RequestTimings
+
+    metrics, recorded = _engine_metrics()
+    for _ in range(5):
+        metrics.count("dflash_num_preemptions", 2)
+    metrics.count("dflash_prefix_cache_hits", 0)  # zeros are not queued
+    metrics.token_gaps([(0.004, 3), (0.01, 1)])
+    metrics.request_finished(FinishReason.STOP, RequestTimings(prompt_tokens=7, output_tokens=5, e2e=0.5,
+                                                               queue=0.01, ttft=0.1, tpot=0.1))
+    metrics.request_finished(FinishReason.CANCELLED)
+    metrics.phase_seconds("transport", [0.001, 0.002])
+    metrics.gauges({"dflash_num_requests_running": 3})
+    metrics.record_pending()
+    assert recorded.calls.count("dflash_num_preemptions") == 1
+    assert recorded.counts[("dflash_num_preemptions", ())] == 10
+    assert ("dflash_prefix_cache_hits", ()) not in recorded.counts
+    assert recorded.observed[("dflash_inter_token_latency_seconds", ())] == [0.004] * 3 + [0.01]
+    assert recorded.counts[("dflash_request_success", ("stop",))] == 1
+    assert recorded.counts[("dflash_request_success", ("abort",))] == 1
+    assert recorded.counts[("dflash_prompt_tokens", ())] == 7
+    assert recorded.counts[("dflash_generation_tokens", ())] == 5
+    assert recorded.observed[("dflash_time_to_first_token_seconds", ())] == [0.1]
+    assert recorded.observed[("dflash_step_phase_seconds", ("transport",))] == [0.001, 0.002]
+    assert recorded.gauges == {"dflash_num_requests_running": 3}
+    metrics.close()
+
+    threaded = EngineMetrics(recorded := _Recorded(), period_s=3600.0)
+    threaded.count("dflash_drafter_restarts", 1)
+    threaded.close()
+    assert recorded.counts[("dflash_drafter_restarts", ())] == 1

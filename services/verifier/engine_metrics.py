@@ -1,0 +1,152 @@
+"""The verifier's metrics, recorded off the engine's thread.
+
+A Ray metric call costs 2-4 µs of Python, under the GIL the engine's thread needs; at batch 32 the
+engine's thread made ~240 of them a round and spent ~40 % of its time there (BENCHMARKS, the
+serving path). So that thread only queues what a step produced — its rounds, each request's token
+gap, each finished request's times, a few counter deltas — and a thread of its own records them
+every RECORD_PERIOD_S, counters summed over the period first (one call a series, not one an event).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from dflash_serve.services.engine.engine import RoundRecord
+from dflash_serve.services.engine.stopping import FinishReason
+from dflash_serve.services.metrics import FINISHED_REASONS
+
+log = logging.getLogger(__name__)
+RECORD_PERIOD_S = 0.1  # Ray exports every few seconds: a tenth of a second late is never seen
+
+Counts = collections.Counter  # (name, tags as a tuple of pairs) -> the sum over a period
+
+
+class EngineMetrics:
+    """Queues a verifier's metric events from the engine's thread (each a deque append) and records
+    them into `metrics` (a `ReplicaMetrics`) from its own thread."""
+
+    def __init__(self, metrics, *, period_s: float = RECORD_PERIOD_S):
+        self.metrics = metrics
+        self.period_s = period_s
+        self._events: collections.deque[tuple[Callable, object]] = collections.deque()  # thread-safe ends
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-metrics", daemon=True)
+        self._thread.start()
+
+    # -- the engine's thread ---------------------------------------------------------------------
+
+    def rounds(self, records: list[RoundRecord], *, speculative: bool) -> None:
+        """speculative: a drafter serves (an AR round's k = 0 is observed only then)."""
+        self._events.append((self._record_rounds, (records, speculative)))
+
+    def token_gaps(self, gaps: list[tuple[float, int]]) -> None:
+        """(seconds per token, tokens) for each request that got tokens at a step: a round's tokens
+        arrive together, so its gap is spread over them."""
+        self._events.append((self._record_token_gaps, gaps))
+
+    def count(self, name: str, value: float) -> None:
+        if value:
+            self._events.append((self._record_count, (name, value)))
+
+    def request_finished(self, reason: FinishReason, timings: RequestTimings | None = None) -> None:
+        self._events.append((self._record_request, (reason, timings)))
+
+    def phase_seconds(self, phase: str, seconds: Iterable[float]) -> None:
+        self._events.append((self._record_phase, (phase, list(seconds))))
+
+    def gauges(self, values: dict[str, float]) -> None:
+        self._events.append((self._record_gauges, values))
+
+    # -- the recording thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.record_pending()
+        self.record_pending()
+
+    def record_pending(self) -> None:
+        """Records every queued event (the thread does, each period; tests call it directly)."""
+        counts: Counts = Counts()
+        while self._events:
+            record, payload = self._events.popleft()
+            try:
+                record(payload, counts)
+            except Exception:  # noqa: BLE001 - a metric must never stop the others (nor the replica)
+                log.exception("recording a metric failed")
+        for (name, tags), value in counts.items():
+            self.metrics.inc(name, value, **dict(tags))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _record_count(self, payload: tuple[str, float], counts: Counts) -> None:
+        name, value = payload
+        counts[(name, ())] += value
+
+    def _record_rounds(self, payload: tuple[list[RoundRecord], bool], counts: Counts) -> None:
+        records, speculative = payload
+        observe = self.metrics.observe
+        for record in records:
+            observe("dflash_step_phase_seconds", record.verify_seconds, phase="verify")
+            if speculative or record.k:
+                observe("dflash_spec_decode_tokens_per_round", record.k)
+            if not record.k:
+                continue
+            observe("dflash_step_phase_seconds", record.draft_seconds, phase="draft")
+            # Verified drafts only: a request that limits them (or opts out) counts what it verified.
+            counted = [(d, a) for d, a in zip(record.draft_tokens, record.accepted, strict=True) if d]
+            counts[("dflash_spec_decode_num_drafts", ())] += len(counted)
+            counts[("dflash_spec_decode_num_draft_tokens", ())] += sum(d for d, _ in counted)
+            counts[("dflash_spec_decode_num_accepted_tokens", ())] += sum(a for _, a in counted)
+            for _, accepted in counted:
+                observe("dflash_acceptance_length", accepted + 1)
+                for position in range(accepted):
+                    counts[("dflash_spec_decode_num_accepted_tokens_per_pos", (("position", str(position)),))] += 1
+
+    def _record_token_gaps(self, gaps: list[tuple[float, int]], counts: Counts) -> None:
+        observe = self.metrics.observe
+        for seconds, tokens in gaps:
+            for _ in range(tokens):
+                observe("dflash_inter_token_latency_seconds", seconds)
+
+    def _record_phase(self, payload: tuple[str, list[float]], counts: Counts) -> None:
+        phase, seconds = payload
+        for s in seconds:
+            self.metrics.observe("dflash_step_phase_seconds", s, phase=phase)
+
+    def _record_request(self, payload: tuple[FinishReason, RequestTimings | None], counts: Counts) -> None:
+        reason, t = payload
+        counts[("dflash_request_success", (("finished_reason", FINISHED_REASONS[reason]),))] += 1
+        if t is None:
+            return
+        counts[("dflash_prompt_tokens", ())] += t.prompt_tokens
+        counts[("dflash_generation_tokens", ())] += t.output_tokens
+        observe = self.metrics.observe
+        observe("dflash_e2e_request_latency_seconds", t.e2e)
+        if t.queue is not None:
+            observe("dflash_request_queue_time_seconds", t.queue)
+        if t.ttft is not None:
+            observe("dflash_time_to_first_token_seconds", t.ttft)
+        if t.tpot is not None:
+            observe("dflash_request_time_per_output_token_seconds", t.tpot)
+
+    def _record_gauges(self, values: dict[str, float], counts: Counts) -> None:
+        for name, value in values.items():
+            self.metrics.set(name, value)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """A finished request's token counts and latencies (seconds; None where it never got there)."""
+
+    prompt_tokens: int
+    output_tokens: int
+    e2e: float
+    queue: float | None
+    ttft: float | None
+    tpot: float | None
