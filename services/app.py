@@ -22,6 +22,21 @@ GRPC_SERVICER_FUNCTIONS = [
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
     "dflash_serve.services.app.lost_replicas_are_unavailable",
 ]
+# Ray Serve's settings for every Ray process of a dflash-serve cluster (Serve reads them at import,
+# so they are environment variables: `dflash serve` sets them before it starts Ray, the chart in
+# every pod). User code and a handle's routing on the replica's own event loop, not on threads of
+# their own: a request crossed three threads in each replica, each waiting for the GIL that the
+# verifier's engine thread holds; calls between replicas (proxy -> router -> verifier) over gRPC
+# rather than Ray object references. It is Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED without its
+# direct ingress, which measured slower here, and without its log buffer, which holds a replica's
+# log lines back until a thousand have gathered (an operator reads the start-up log as it comes).
+# On an H200 it took the served default pair at c 32 from 0.52-0.54x to 0.69-0.79x of the engine,
+# and the TTFT serving adds at c 1 from ~15 to ~9 ms (BENCHMARKS, the serving path).
+SERVE_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+}
 ROUTER_CPUS = 0.25
 VERIFIER_CPUS = 0.5
 CONTROL_HEADROOM = 32

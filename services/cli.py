@@ -226,9 +226,11 @@ def _serve_on_ray(args: argparse.Namespace, config: ServeConfig, num_gpus: int) 
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    from dflash_serve.services.app import GRPC_SERVICER_FUNCTIONS, build_app
+    from dflash_serve.services.app import GRPC_SERVICER_FUNCTIONS, SERVE_ENV, build_app
 
     started = time.time()
+    for name, value in SERVE_ENV.items():  # the Ray it starts inherits them; one set explicitly wins
+        os.environ.setdefault(name, value)
     ray.init(include_dashboard=False, num_gpus=num_gpus or None, _metrics_export_port=config.metrics_port)
     serve.start(http_options=HTTPOptions(host=args.http_host, port=config.http_port),
                 grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))

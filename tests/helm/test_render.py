@@ -13,7 +13,7 @@ import pytest
 from google.protobuf import json_format
 
 from dflash_serve.services.api.dflash.v1 import generation_pb2
-from dflash_serve.services.app import GRPC_SERVICER_FUNCTIONS
+from dflash_serve.services.app import GRPC_SERVICER_FUNCTIONS, SERVE_ENV
 from dflash_serve.services.config import ROUTER_SETTINGS, ServeConfig
 from tests.helm.chart import (
     CHART,
@@ -70,6 +70,14 @@ def test_serve_config_runs_the_app_and_the_grpc_services_of_services_app(rendere
     assert serve["grpc_options"]["port"] == ports["grpc"]
     assert serve["http_options"]["port"] == ports["http"]
     assert rendered.app["import_path"] == "dflash_serve.services.app:app_from_config"
+
+
+def test_every_ray_pod_runs_serve_with_the_settings_dflash_serve_starts_ray_with(rendered):
+    """Serve reads them in each process at import: the head's controller and proxy and the
+    workers' replicas all need them, as `dflash serve` gives them to the Ray it starts."""
+    for group, container in containers(rendered).items():
+        variables = env(container)
+        assert {name: variables.get(name) for name in SERVE_ENV} == SERVE_ENV, group
 
 
 def test_the_config_is_the_users_block_plus_the_ports(rendered, values):

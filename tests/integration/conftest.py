@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from dflash_serve.services.app import SERVE_ENV
 from tests.served_pair import save_tiny_pair
 
 DEVICE = os.environ.get("DFLASH_TEST_DEVICE", "cpu")
@@ -67,6 +68,18 @@ def model_pair(tmp_path_factory):
     return save_tiny_pair(tmp_path_factory.mktemp("models"), block_size=6)
 
 
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    """These variables set (where not set already) for the block only."""
+    added = {name: value for name, value in variables.items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            del os.environ[name]
+
+
 @pytest.fixture(scope="session")
 def ray_serve():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -82,8 +95,13 @@ def ray_serve():
     from dflash_serve.services.app import GRPC_SERVICER_FUNCTIONS
 
     ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port()}
-    ray.init(num_cpus=2, num_gpus=1 if DEVICE.startswith("cuda") else 0, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False,
-             _metrics_export_port=ports["metrics"])
+    # Ray's processes run Serve as `dflash serve` and the chart do (they inherit the environment
+    # ray.init starts them with); this process keeps Serve's defaults, imported above, because
+    # the tests call handles from plain functions, which a handle routing on the caller's event
+    # loop refuses.
+    with _environment(SERVE_ENV):
+        ray.init(num_cpus=2, num_gpus=1 if DEVICE.startswith("cuda") else 0, include_dashboard=False,
+                 object_store_memory=200 * 2**20, log_to_driver=False, _metrics_export_port=ports["metrics"])
     serve.start(http_options=HTTPOptions(port=ports["http"]),
                 grpc_options=gRPCOptions(port=ports["grpc"], grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
     yield ports

@@ -17,6 +17,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_serve.services.app import SERVE_ENV
 from tests.integration.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +76,7 @@ def ray_head(auth_token: str | None = None):
     on: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN in every Ray process, the token on every REST call."""
     port = free_port()
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": auth_token} if auth_token else {"RAY_AUTH_MODE": "disabled"}
-    head_env = {**os.environ, **auth, "RAY_USAGE_STATS_ENABLED": "0",
+    head_env = {**os.environ, **SERVE_ENV, **auth, "RAY_USAGE_STATS_ENABLED": "0",  # SERVE_ENV: as the chart's pods
                 # The replicas import the installed `dflash_serve` (this checkout's, through the
                 # editable install or the README's shim on PYTHONPATH), as the image's workers do.
                 "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}

@@ -141,6 +141,13 @@ read-only). */}}
 {{- define "dflash-serve.commonEnv" -}}
 - name: HOME
   value: /home/dflash
+{{- /* Ray Serve's settings for the serving path, in every Ray process: SERVE_ENV in services/app.py says why. */}}
+- name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD
+  value: "0"
+- name: RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP
+  value: "0"
+- name: RAY_SERVE_USE_GRPC_BY_DEFAULT
+  value: "1"
 {{- with .Values.pods.extraEnv }}
 {{ toYaml . }}
 {{- end }}
