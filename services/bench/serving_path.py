@@ -231,7 +231,7 @@ def table(results: list[dict]) -> str:
             ratio = r["output_tok_s"] / base["output_tok_s"] if base["output_tok_s"] else 0.0
             added = r["ttft_mean_ms"] - base["ttft_mean_ms"]
             missed = ratio < GOALS[path] or (c == 1 and added > TTFT_ADDED_GOAL_MS) or r["failed"]
-            cells.append(f"{r['output_tok_s']:,.0f} ({ratio:.2f}×; TTFT +{added:.1f} ms)" + (" ✗" if missed else ""))
+            cells.append(f"{r['output_tok_s']:,.0f} ({ratio:.2f}×; TTFT {added:+.1f} ms)" + (" ✗" if missed else ""))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
