@@ -88,9 +88,10 @@ class EngineConfig(_Config):
                        "are slow there); or bfloat16, float16, float32.")
     kv_block_size: int = Field(16, description="Tokens per KV block, shared by the target and drafter pools (one "
                                "block table per sequence); a power of two.")
-    num_kv_blocks: int = Field(0, ge=0, description="KV blocks per pool; 0: size from kv_memory_fraction of free GPU "
-                               "memory (or 4096 on CPU).")
-    kv_memory_fraction: float = Field(0.85, gt=0, le=1, description="The share of free GPU memory the KV pools take "
+    num_kv_blocks: int = Field(0, ge=0, description="KV blocks per pool; 0: what max_num_seqs sequences of "
+                               "max_model_len tokens can hold, within kv_memory_fraction of free GPU memory (512 on "
+                               "CPU). More keeps more finished prompts in the prefix cache, and costs start-up time.")
+    kv_memory_fraction: float = Field(0.85, gt=0, le=1, description="The most of free GPU memory the KV pools take "
                                       "when num_kv_blocks is 0.")
     max_num_seqs: int = Field(32, gt=0, description="Sequences decoded together: the running batch.")
     max_prefill_tokens: int = Field(2048, gt=0, description="Prompt tokens per step; longer prompts are prefilled "
@@ -128,6 +129,10 @@ class EngineConfig(_Config):
         default_factory=dict, description="Batch size -> k, overriding `speculation` (like vLLM's "
         "num_speculative_tokens per batch size): a batch of n runs the k of the largest key <= n; below the smallest "
         "key, the policy. E.g. {1: 15, 8: 7, 32: 0}. Each value is also captured as a CUDA graph bucket.")
+    round_costs_dir: str | None = Field(
+        None, description="Where the round costs measured at start-up are kept for later starts and other replicas "
+        "(one file per model shapes, settings and machine; on Kubernetes a volume the replicas share); null: "
+        "round-costs/ in the model cache ($DFLASH_CACHE); empty: measure them at every start.")
     synthetic_acceptance_length: float | None = Field(
         None, ge=1, description="BENCHMARKS ONLY, outputs are then NOT the target's: every round that verifies drafts "
         "accepts as many as keep the mean acceptance length (tau) at this value, whatever the drafter proposed, to time "

@@ -5,11 +5,30 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel
+from dflash_serve.services.models.default_pair import cache_dir
+
+
+def _this_runs_model_cache() -> None:
+    """This run's model cache ($DFLASH_CACHE, which Ray's workers and the CLI inherit): links to
+    what the user's holds (the converted default target), and room for what engines write there,
+    the round costs they measure, which no other run may read."""
+    users, run = cache_dir(), Path(tempfile.mkdtemp(prefix="dflash-test-cache-"))
+    if users.is_dir():
+        for entry in users.iterdir():
+            if entry.name != "round-costs":
+                (run / entry.name).symlink_to(entry.resolve())
+    os.environ["DFLASH_CACHE"] = str(run)
+
+
+_this_runs_model_cache()
 
 
 def drafter_config(**overrides) -> dict:

@@ -65,6 +65,7 @@ from dflash_serve.services.engine.draft_runner import Proposer, ProposerLost
 from dflash_serve.services.engine.kv_cache import AttentionBatch, BlockAllocator
 from dflash_serve.services.engine.prefill_graphs import PrefillChunkView, PrefillGraphs
 from dflash_serve.services.engine.request import RequestOutput, Sequence, SequenceStatus
+from dflash_serve.services.engine.round_cost_cache import RoundCostCache
 from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, resolve_seed, sample_tokens
 from dflash_serve.services.engine.scheduler import PrefillChunk, Scheduler
 from dflash_serve.services.engine.speculation import RoundCosts, SpeculationPolicy, context_slope, time_call
@@ -294,6 +295,7 @@ class Engine:
         self._synthetic_debt = 0.0
         # How many drafts each round verifies; its costs come from `measure_round_costs`.
         self.speculation = SpeculationPolicy(config, self.block_size)
+        self.round_cost_cache: RoundCostCache | None = None  # set by the loader where costs are kept
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -995,8 +997,26 @@ class Engine:
         policy = self.speculation
         if self.proposer is None or not (policy.needs_costs() or self.proposer.draft_groups == 2):
             return
-        t0 = time.perf_counter()
         context = max(0, min(context, self.max_model_len - self.block_size))
+        # What else the times depend on: the drafter's kind and place, the rounds timed, graphs or not.
+        shapes = {"proposer": type(self.proposer).__name__, "draft_groups": self.proposer.draft_groups,
+                  "ks": list(policy.ks), "context": context, "block_size": self.block_size,
+                  "graphs": None if self.graphs is None else [self.graphs.buckets, self.graphs.k_buckets]}
+        cache = self.round_cost_cache
+        measured = cache.load(shapes) if cache is not None else None
+        if measured is not None:
+            measured["verify"] = {int(k): seconds for k, seconds in measured["verify"].items()}  # JSON keys are text
+            policy.costs = RoundCosts(**measured)
+            log.info("round costs from %s (measured at an earlier start)", cache.path(shapes))
+            return
+        measured = self._measure_round_costs(context, policy)
+        policy.costs = RoundCosts(**measured)
+        if cache is not None:
+            cache.store(shapes, measured)
+
+    def _measure_round_costs(self, context: int, policy: SpeculationPolicy) -> dict:
+        """`RoundCosts`' arguments, timed now."""
+        t0 = time.perf_counter()
         near = min(NEAR_COST_CONTEXT, context // 2)
         # An eager draft of k drafts takes the LM head over k rows only (`DraftRunner.draft_logits`):
         # the draft is timed for each k > 0, and at `near` for the fewest, as `draft` holds.
@@ -1008,9 +1028,9 @@ class Engine:
             slopes["verify_slope"] = context_slope(verify[0], verify_near[0], context, near)
             if draft is not None:
                 slopes["draft_slope"] = context_slope(draft, draft_near, context, near)
-        policy.costs = RoundCosts(sizes, verify, draft, context=context, **slopes)
         log.info("round costs measured in %.0f ms (batch sizes %s, k %s)", 1e3 * (time.perf_counter() - t0),
                  sizes, list(policy.ks))
+        return {"batch_sizes": sizes, "verify": verify, "draft": draft, "context": context, **slopes}
 
     def _time_rounds(self, context: int, ks: tuple[int, ...],
                      drafted: list[int]) -> tuple[list[int], dict, list[float] | None]:

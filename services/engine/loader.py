@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -16,9 +17,11 @@ from dflash_serve.services.engine.engine import Engine
 from dflash_serve.services.engine.fused_target import FusedTargetRunner, fused_unsupported_reason
 from dflash_serve.services.engine.kv_cache import BlockAllocator, KVPool
 from dflash_serve.services.engine.prefill_graphs import CHUNK_BUCKETS, TOKEN_BUCKETS, PrefillGraphs
+from dflash_serve.services.engine.round_cost_cache import NOT_IN_KEY, RoundCostCache, machine, model_shape
 from dflash_serve.services.engine.speculation import k_buckets
 from dflash_serve.services.engine.target_runner import TargetRunner
 from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel, load_drafter
+from dflash_serve.services.models.default_pair import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,10 @@ def log_models(config: EngineConfig) -> None:
     log.info("models: target %s; drafter %s", source(config.target, config.target_revision), drafter)
 
 
-def num_kv_blocks(config: EngineConfig, device: torch.device, bytes_per_block: int) -> int:
+def num_kv_blocks(config: EngineConfig, device: torch.device, bytes_per_block: int, *, usable: int) -> int:
+    """`usable`: the blocks max_num_seqs sequences of max_model_len tokens can hold at once. More
+    would only lengthen every start (85 % of an H200 for the 135 M default pair took 14 s to
+    allocate) and hold memory a second process on the GPU could use."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
     if device.type != "cuda":
@@ -77,7 +83,7 @@ def num_kv_blocks(config: EngineConfig, device: torch.device, bytes_per_block: i
     blocks = int(free * config.kv_memory_fraction) // bytes_per_block
     if blocks <= 0:
         raise RuntimeError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free after loading the models)")
-    return blocks
+    return min(blocks, usable)
 
 
 def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions: int
@@ -129,17 +135,18 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
         d_layers, d_heads, d_dim = DraftRunner.kv_shape(draft_cfg)
         if drafter is not None or remote_drafter_kv_here:
             per_block += KVPool.bytes_per_block(d_layers, config.kv_block_size, d_heads, d_dim, dtype)
-    blocks = num_kv_blocks(config, device, per_block)
-    log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", blocks, config.kv_block_size, blocks * per_block / 2**30)
-
     lookahead = draft_cfg.block_size if draft_cfg is not None else 1
     use_graphs = config.cuda_graphs and device.type == "cuda"
     # CUDA graphs pad small batches with rows that write into these reserved scratch blocks.
     scratch = -(-lookahead // config.kv_block_size) if use_graphs else 0
+    max_len = config.max_model_len or int(getattr(target.config, "max_position_embeddings", 0) or 32768)
+    # A sequence holds its tokens plus a round's lookahead (a chained round: two).
+    usable = config.max_num_seqs * -(-(max_len + 2 * lookahead) // config.kv_block_size) + scratch
+    blocks = num_kv_blocks(config, device, per_block, usable=usable)
+    log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", blocks, config.kv_block_size, blocks * per_block / 2**30)
     if blocks <= scratch:
         raise ValueError(f"num_kv_blocks={blocks} is too small; need more than {scratch}")
     allocator = BlockAllocator(blocks - scratch, config.kv_block_size)
-    max_len = config.max_model_len or int(getattr(target.config, "max_position_embeddings", 0) or 32768)
     pool = KVPool.allocate(t_layers, blocks, config.kv_block_size, t_heads, t_dim, dtype, device)
     # A round chained after one not yet read may start a whole block further on (Engine.step).
     max_positions = max_len + 2 * lookahead
@@ -171,6 +178,13 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
                 scratch_slot=(blocks - scratch) * config.kv_block_size, device=device, token_buckets=token_buckets,
                 chunk_buckets=tuple(b for b in CHUNK_BUCKETS if b <= config.max_num_seqs),
             )
+    if config.round_costs_dir != "":
+        engine.round_cost_cache = RoundCostCache(
+            Path(config.round_costs_dir) if config.round_costs_dir else cache_dir() / "round-costs",
+            {"target": model_shape(target.config.to_dict()),
+             "drafter": model_shape(draft_cfg.to_dict()) if draft_cfg is not None else None,
+             "engine": {k: v for k, v in config.to_dict().items() if k not in NOT_IN_KEY},
+             "dtype": str(dtype), "max_model_len": max_len, **machine(device)})
     engine.measure_round_costs()  # a drafter in another process: once it is attached
     if device.type == "cuda":  # the sampling and acceptance kernels compiled now, not in a request's first step
         ks = engine.speculation.ks if draft_cfg is not None else (0,)

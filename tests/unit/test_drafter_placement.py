@@ -150,7 +150,7 @@ def test_a_drafter_on_another_node_is_refused(drafter_node, monkeypatch):
 @pytest.mark.parametrize("kv_here", [True, False])
 def test_the_verifier_counts_the_drafters_kv_only_when_it_shares_the_gpu(kv_here, monkeypatch):
     sized = []
-    monkeypatch.setattr(loader, "num_kv_blocks", lambda config, device, per_block: sized.append(per_block) or 64)
+    monkeypatch.setattr(loader, "num_kv_blocks", lambda config, device, per_block, **_: sized.append(per_block) or 64)
     draft_cfg = random_drafter(drafter_config(block_size=4, vocab_size=96, num_target_layers=4, num_hidden_layers=2,
                                               layer_types=["full_attention"] * 2,
                                               dflash_config={"mask_token_id": 95, "target_layer_ids": [1, 3]}),
@@ -164,6 +164,17 @@ def test_the_verifier_counts_the_drafters_kv_only_when_it_shares_the_gpu(kv_here
     draft_block = loader.KVPool.bytes_per_block(d_layers, 16, d_heads, d_dim, torch.float32)
     assert sized == [target_block + draft_block if kv_here else target_block]
 
+
+
+def test_on_a_gpu_the_kv_cache_holds_what_the_batch_can_use_within_its_share_of_memory(monkeypatch):
+    """Not 85 % of the GPU whatever the model: max_num_seqs sequences of max_model_len tokens,
+    unless the memory share is smaller; num_kv_blocks set wins."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * 2**20, 140 * 2**30))
+    cuda, per_block = torch.device("cuda"), 2**20
+    config = EngineConfig(target="tiny", kv_memory_fraction=0.5)
+    assert loader.num_kv_blocks(config, cuda, per_block, usable=30) == 30
+    assert loader.num_kv_blocks(config, cuda, per_block, usable=3000) == 50  # half of 100 MiB free
+    assert loader.num_kv_blocks(EngineConfig(target="tiny", num_kv_blocks=7), cuda, per_block, usable=30) == 7
 
 
 @pytest.mark.parametrize(("raw", "machine_gpus", "lent"), [
