@@ -1,0 +1,113 @@
+"""How soon `dflash serve` answers after it starts, and serves again after its verifier replica is killed.
+
+    python -m dflash_serve.services.bench.restart --kills 3 --out restart [-- dflash serve flags]
+
+Starts `dflash serve` (its embedded default unless flags follow `--`) in a Ray of its own and sends
+a 4-token request every --probe-s until one is answered: the time from the process's start to
+that answer. Then, --kills times, SIGKILLs the Verifier replica's process (as the kernel's OOM
+killer or a crash would) and probes again: the time from the kill to the next answer. Each start's
+timeline comes from the replica's log lines (their own timestamps: the models named, the KV cache
+allocated, graphs captured, round costs measured or loaded). Writes OUT/restart.json and the log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import grpc
+
+from dflash_serve.services.api.dflash.v1 import generation_pb2, generation_pb2_grpc
+from dflash_serve.services.bench.serving_path import Server
+
+VERIFIER_TITLE = "ray::ServeReplica:dflash:Verifier"
+PROBE = generation_pb2.GenerateRequest(prompt="def add(a, b):",
+                                       sampling=generation_pb2.SamplingParams(max_tokens=4, temperature=0.0))
+# A replica's log line as Ray prints it on the driver: (ServeReplica:dflash:Verifier pid=N) INFO 2026-12-02 01:14:46,623 ...
+LOG_LINE = re.compile(r"\(ServeReplica:dflash:Verifier pid=(\d+)\)\S* \w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \S+ -- (.*)")
+MILESTONES = {"models:": "models named (replica started)", "KV cache:": "KV cache allocated",
+              "round graphs captured": "round graphs captured", "round costs measured": "round costs measured",
+              "round costs from": "round costs loaded"}
+
+
+def verifier_pids() -> list[int]:
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(VERIFIER_TITLE.encode()):
+                pids.append(int(pid))
+        except OSError:  # it exited meanwhile
+            continue
+    return pids
+
+
+def wait_answered(stub, timeout_s: float, probe_s: float) -> float:
+    """time.time() when a probe was first answered."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            stub.Complete(PROBE, timeout=30)
+            return time.time()
+        except grpc.RpcError:  # not deployed yet (NOT_FOUND), no verifier running (UNAVAILABLE)
+            time.sleep(probe_s)
+    raise TimeoutError(f"no answer within {timeout_s:.0f} s")
+
+
+def timeline(log_text: str, pid: int, since: float) -> dict[str, float]:
+    """Seconds from `since` to each milestone the replica `pid` logged."""
+    found = {}
+    for match in LOG_LINE.finditer(log_text):
+        if int(match.group(1)) != pid:
+            continue
+        at = datetime.strptime(match.group(2), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        for prefix, name in MILESTONES.items():
+            if match.group(3).startswith(prefix) and name not in found:
+                found[name] = round(at - since, 2)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--probe-s", type=float, default=0.2, help="seconds between probes")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="the most a start may take")
+    parser.add_argument("--grpc-port", type=int, default=9000)
+    parser.add_argument("--out", default="restart")
+    parser.add_argument("serve_flags", nargs="*", help="after --: dflash serve's flags")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "serve.log"
+    started = time.time()
+    server = Server(["--grpc-port", str(args.grpc_port), *args.serve_flags], log_path)
+    report: dict = {"serve_flags": args.serve_flags, "kills": []}
+    try:
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{args.grpc_port}"))
+        report["first_answer_s"] = round(wait_answered(stub, args.timeout_s, args.probe_s) - started, 2)
+        (pid,) = verifier_pids()
+        report["first_start"] = timeline(log_path.read_text(), pid, started)
+        print(f"answered {report['first_answer_s']} s after start: {report['first_start']}", flush=True)
+        for _ in range(args.kills):
+            killed = time.time()
+            os.kill(pid, signal.SIGKILL)
+            answered = wait_answered(stub, args.timeout_s, args.probe_s)
+            (pid,) = [p for p in verifier_pids() if p != pid]
+            kill = {"served_again_s": round(answered - killed, 2),
+                    "timeline": timeline(log_path.read_text(), pid, killed)}
+            report["kills"].append(kill)
+            print(f"served again {kill['served_again_s']} s after the kill: {kill['timeline']}", flush=True)
+    finally:
+        server.stop()
+    (out / "restart.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
