@@ -18,7 +18,7 @@ OLD = ("services", "kernels")
 # such as services/app.py or layer_kernels.py, not a file name such as kernels.py).
 OLD_DOTTED = re.compile(r"(?<![\w./\-$])(services|kernels)\.(?!(?:py|pyi|json|jsonl|ya?ml|md|txt|toml|proto)\b)[A-Za-z_]")
 TEXT_FILES = ["README.md", "BENCHMARKS.md", "Dockerfile", "pyproject.toml", ".ci/run"]
-TEXT_DIRS = ["services", "kernels", "tests", "helm"]
+TEXT_DIRS = ["services", "kernels", "tests", "helm", "docs"]
 
 
 def test_pyproject_lists_every_package():
