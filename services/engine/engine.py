@@ -232,7 +232,9 @@ class _RoundInputs:
 class RoundRecord:
     """One speculative round, for the server's metrics: the k it verified (0: an AR step), draft
     tokens verified per sequence (k, or less for a request that limits it; 0 when decoding
-    target-only), accepted drafts per sequence, and the draft and verify phase times."""
+    target-only), accepted drafts per sequence that the round committed (fewer than accepted
+    where a stop token or max_tokens ended the request inside the round), and the draft and
+    verify phase times."""
 
     k: int
     draft_tokens: list[int]
@@ -904,7 +906,7 @@ class Engine:
             rnd.ready.synchronize()
         t0 = time.perf_counter()  # the host's own time, not its wait for the device
         width = rnd.k + 1
-        keep_rows, verified, accepted = [], [], []
+        keep_rows, verified, accepted, counted = [], [], [], []
         positions = 0
         for i, (seq, row) in enumerate(zip(rnd.seqs, rnd.results.tolist(), strict=True)):
             if seq.status is not SequenceStatus.RUNNING:
@@ -912,11 +914,13 @@ class Engine:
             a = row[0]
             verified.append(rnd.verified[i])
             accepted.append(a)
-            if rnd.verified[i]:
-                seq.stats.record(rnd.verified[i], a)
             seq.num_cached += a + 1
             positions += seq.num_cached
-            self._commit(seq, row[1 : a + 2])
+            # τ counts the tokens the round commits (vLLM, the z-lab reference): drafts accepted past
+            # a stop token or max_tokens are not output, so they are not counted.
+            counted.append(self._commit(seq, row[1 : a + 2]) - 1)
+            if rnd.verified[i]:
+                seq.stats.record(rnd.verified[i], counted[-1])
             # Also a sequence that just finished: its blocks may stay in the prefix cache.
             keep_rows.extend(range(i * width, i * width + a + 1))
             if seq.status is SequenceStatus.RUNNING:  # a finished one's blocks are already free
@@ -937,7 +941,7 @@ class Engine:
             costs = self.speculation.costs
             if rnd.times_draft and costs is not None and not costs.measured_draft:
                 costs.observe_draft(len(rnd.seqs), draft_s)
-        self.round_log.append(RoundRecord(rnd.k, verified, accepted, draft_s, verify_s))
+        self.round_log.append(RoundRecord(rnd.k, verified, counted, draft_s, verify_s))
         tm = self.timings
         tm.draft += draft_s
         tm.verify += verify_s
@@ -1118,14 +1122,16 @@ class Engine:
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         return SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs], self.device)
 
-    def _commit(self, seq: Sequence, tokens: list[int]) -> None:
-        """Append a round's tokens up to the first stop; stream them; finish the request if it stopped."""
+    def _commit(self, seq: Sequence, tokens: list[int]) -> int:
+        """Append a round's tokens up to the first stop; stream them; finish the request if it
+        stopped. Returns how many were kept."""
         kept, text, reason = seq.stop.append(tokens)
         seq.output_ids.extend(kept)
         if reason is not None:
             self._finish(seq, reason, kept, text)
         else:
             self._emit(seq, kept, text)
+        return len(kept)
 
     def _finish(self, seq: Sequence, reason: FinishReason, tokens: list[int] | None = None, text: str = "") -> None:
         seq.finish_reason = reason

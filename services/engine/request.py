@@ -18,7 +18,9 @@ class SequenceStatus(enum.Enum):
 
 @dataclass
 class SpecStats:
-    """Per-request speculation counters (the bonus token is not a draft)."""
+    """Per-request speculation counters over the rounds that verified drafts (not the prefill's
+    first token, not AR steps); `accepted_tokens` counts the accepted drafts a round committed,
+    the bonus token excluded (it is not a draft)."""
 
     rounds: int = 0
     draft_tokens: int = 0
@@ -36,7 +38,8 @@ class SpecStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """τ: tokens per round including the bonus token (spec §3.1)."""
+        """τ: tokens a round commits, the bonus token included, averaged over the rounds counted
+        (vLLM's mean_acceptance_length, the z-lab reference's acceptance length; spec §3.1)."""
         return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
 
 
