@@ -9,8 +9,16 @@ import os
 import tempfile
 from pathlib import Path
 
-import pytest
-import torch
+# One thread per test process (and for the processes tests start: CLI runs, Ray's workers, the
+# interpreted-kernels child): the models here are tiny, so intra-op threads only add
+# synchronisation, and on CI's 2 cores two threads per process oversubscribe the machine as soon
+# as a second process (a Ray actor, a parallel test worker) runs, which slows torch down ~10x.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel
 from dflash_serve.services.models.default_pair import cache_dir
