@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 
 from dflash_serve.services.bench import serving_path
+from tests.integration.conftest import free_port
 
 
 def test_the_tiny_target_case_runs_embedded_and_served_over_both_protocols(tmp_path, capsys):
     assert serving_path.main(["--case", "qwen3-8b-target", "--size", "tiny", "--device", "cpu", "--out",
-                              str(tmp_path), "--grpc-port", "21310", "--http-port", "21311",
-                              "--metrics-port", "21312"]) == 0
+                              str(tmp_path), "--grpc-port", str(free_port()), "--http-port", str(free_port()),
+                              "--metrics-port", str(free_port())]) == 0
     results = json.loads((tmp_path / "serving_path.json").read_text())["results"]
     paths = {(r["path"], r["protocol"], r["concurrency"]) for r in results}
     assert paths == {(path, protocol, c) for path, protocol in [("embedded", "in-process"), ("colocated", "grpc"),

@@ -53,10 +53,14 @@ def _bindable(port: int) -> bool:
 
 
 def free_port() -> int:
-    """A port free now, outside the ranges others take ports from, not handed out before."""
+    """A port free now, outside the ranges others take ports from, not handed out before. Under
+    pytest-xdist each worker takes its own residue class (port % workers), so that two workers
+    never pick the same port before either has bound it."""
     highest = max(_ephemeral_start(), LOWEST_PORT + 1000)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
     for _ in range(1000):
-        port = random.randrange(LOWEST_PORT, highest)
+        port = random.randrange(LOWEST_PORT + worker, highest, workers)
         if port not in _ports_given and _bindable(port):
             _ports_given.add(port)
             return port
