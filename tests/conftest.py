@@ -86,6 +86,28 @@ def random_drafter(cfg: dict, seed: int = 0, dtype: torch.dtype = torch.float64)
     return model.eval()
 
 
+# Test files whose tests share a server that a session fixture starts (tests/integration's
+# ray_serve: a Ray cluster with Serve): under pytest-xdist they run in one worker, one after the other.
+SHARED_SERVER_FILES = ("tests/integration/test_openai.py", "tests/integration/test_serve.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """The README's `pytest -n 2 --dist loadfile`: each file is one unit of work, so its module
+    fixtures are built once, and the SHARED_SERVER_FILES are one unit together, so their server
+    starts once (not once per worker, side by side)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedServerFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return " + ".join(SHARED_SERVER_FILES) if scope in SHARED_SERVER_FILES else scope
+
+    return SharedServerFiles(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(1234)
