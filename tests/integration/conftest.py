@@ -86,6 +86,18 @@ def _environment(variables: dict[str, str]) -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def ray_serve():
+    _ray_serve["ports"] = ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port()}
+    _start_ray_serve()
+    yield ports
+    if _ray_serve["running"]:  # not stopped already, after the last test using it
+        _stop_ray_serve()
+
+
+# The session's ray_serve cluster: its ports once it was started, and whether it runs now.
+_ray_serve: dict = {"ports": None, "running": False}
+
+
+def _start_ray_serve() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
@@ -98,7 +110,7 @@ def ray_serve():
 
     from dflash_serve.services.app import GRPC_SERVICER_FUNCTIONS
 
-    ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port()}
+    ports = _ray_serve["ports"]
     # Ray's processes run Serve as `dflash serve` and the chart do (they inherit the environment
     # ray.init starts them with); this process keeps Serve's defaults, imported above, because
     # the tests call handles from plain functions, which a handle routing on the caller's event
@@ -108,7 +120,14 @@ def ray_serve():
                  object_store_memory=200 * 2**20, log_to_driver=False, _metrics_export_port=ports["metrics"])
     serve.start(http_options=HTTPOptions(port=ports["http"]),
                 grpc_options=gRPCOptions(port=ports["grpc"], grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
-    yield ports
+    _ray_serve["running"] = True
+
+
+def _stop_ray_serve() -> None:
+    import ray
+    from ray import serve
+
+    _ray_serve["running"] = False
     # serve.shutdown() waits without a limit for each cached handle's router to stop (Ray 2.60's
     # DeploymentHandle.shutdown). On CI (2026-11-27) this teardown hung after every test had passed,
     # most likely there, until CI's deadline. ray.shutdown() ends every process of this local
@@ -117,6 +136,29 @@ def ray_serve():
     graceful.start()
     graceful.join(timeout=60)
     ray.shutdown()
+
+
+def _uses_ray_serve(item) -> bool:
+    return item is not None and "ray_serve" in item.fixturenames
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The ray_serve cluster stops after the last of a run of tests that use it, once that
+    test's module fixtures are torn down, instead of at the end of the session: the files using
+    it run one after the other (under pytest -n too: tests/conftest.py), and an idle cluster
+    still takes a tenth of a core from the tests that run after them."""
+    yield
+    if _ray_serve["running"] and _uses_ray_serve(item) and not _uses_ray_serve(nextitem):
+        _stop_ray_serve()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A test using ray_serve after it was stopped (files given in an order that puts others
+    between them) starts it again, on its ports; the first one's fixture starts it."""
+    if _uses_ray_serve(item) and _ray_serve["ports"] is not None and not _ray_serve["running"]:
+        _start_ray_serve()
 
 
 @contextlib.contextmanager
