@@ -15,7 +15,6 @@ import logging
 
 from dflash_serve.services.config import ServeConfig
 from dflash_serve.services.gc_freeze import freeze_startup_objects
-from dflash_serve.services.verifier.verifier import DRAFTER_CPUS
 
 GRPC_SERVICER_FUNCTIONS = [
     "dflash_serve.services.api.dflash.v1.generation_pb2_grpc.add_GenerationServicer_to_server",
@@ -203,6 +202,10 @@ def _bundle(cpus: float, gpus: float) -> dict:
 
 def build_app(config: ServeConfig):
     from ray import serve
+
+    # Here, not at the top: every Serve proxy imports this module for `lost_replicas_are_unavailable`,
+    # and the verifier's module brings torch, transformers and the engine, which a proxy never uses.
+    from dflash_serve.services.verifier.verifier import DRAFTER_CPUS
 
     split = config.topology == "split"
     verifier_options = dict(
