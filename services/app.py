@@ -104,8 +104,8 @@ class VerifierDeployment:
     def model_info(self) -> dict:
         return self.verifier.model_info()
 
-    def stats(self) -> dict:
-        return self.verifier.stats()
+    async def stats(self) -> dict:
+        return await self.verifier.stats()
 
     def check_health(self) -> None:
         """Serve calls it every health_check_period_s and replaces the replica when it raises;

@@ -1,10 +1,10 @@
-"""The verifier's metrics, recorded off the engine's thread.
+"""The verifier's metrics: events from the engine's process, recorded by the replica's.
 
-A Ray metric call costs 2-4 µs of Python, under the GIL the engine's thread needs; at batch 32 the
-engine's thread made ~240 of them a round and spent ~40 % of its time there (BENCHMARKS, the
-serving path). So that thread only queues what a step produced — its rounds, each request's token
-gap, each finished request's times, a few counter deltas — and a thread of its own records them
-every RECORD_PERIOD_S, counters summed over the period first (one call a series, not one an event).
+The engine's process (`engine_process`) has no Ray: it only keeps what a step produced — its
+rounds, each request's token gap, each finished request's times, a few counter deltas — as
+`MetricEvents`, and sends them to the replica every tenth of a second. The replica's
+`EngineMetrics` records them from a thread of its own, counters summed over a period first (one
+Ray metric call a series, not one an event: a call costs 2-4 µs of Python).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dflash_serve.services.engine.engine import RoundRecord
@@ -23,43 +23,58 @@ log = logging.getLogger(__name__)
 RECORD_PERIOD_S = 0.1  # Ray exports every few seconds: a tenth of a second late is never seen
 
 Counts = collections.Counter  # (name, tags as a tuple of pairs) -> the sum over a period
+Event = tuple[str, object]  # (what it records, its payload)
 
 
-class EngineMetrics:
-    """Queues a verifier's metric events from the engine's thread (each a deque append) and records
-    them into `metrics` (a `ReplicaMetrics`) from its own thread."""
+class MetricEvents:
+    """The engine process's metric events since they were last taken (each a list append)."""
 
-    def __init__(self, metrics, *, period_s: float = RECORD_PERIOD_S):
-        self.metrics = metrics
-        self.period_s = period_s
-        self._events: collections.deque[tuple[Callable, object]] = collections.deque()  # thread-safe ends
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-metrics", daemon=True)
-        self._thread.start()
-
-    # -- the engine's thread ---------------------------------------------------------------------
+    def __init__(self):
+        self.events: list[Event] = []
 
     def rounds(self, records: list[RoundRecord], *, speculative: bool) -> None:
         """speculative: a drafter serves (an AR round's k = 0 is observed only then)."""
-        self._events.append((self._record_rounds, (records, speculative)))
+        self.events.append(("rounds", (records, speculative)))
 
     def token_gaps(self, gaps: list[tuple[float, int]]) -> None:
         """(seconds per token, tokens) for each request that got tokens at a step: a round's tokens
         arrive together, so its gap is spread over them."""
-        self._events.append((self._record_token_gaps, gaps))
+        self.events.append(("token_gaps", gaps))
 
     def count(self, name: str, value: float) -> None:
         if value:
-            self._events.append((self._record_count, (name, value)))
+            self.events.append(("count", (name, value)))
 
     def request_finished(self, reason: FinishReason, timings: RequestTimings | None = None) -> None:
-        self._events.append((self._record_request, (reason, timings)))
+        self.events.append(("request", (reason, timings)))
 
     def phase_seconds(self, phase: str, seconds: Iterable[float]) -> None:
-        self._events.append((self._record_phase, (phase, list(seconds))))
+        self.events.append(("phase", (phase, list(seconds))))
 
     def gauges(self, values: dict[str, float]) -> None:
-        self._events.append((self._record_gauges, values))
+        self.events.append(("gauges", values))
+
+    def take(self) -> list[Event]:
+        events, self.events = self.events, []
+        return events
+
+
+class EngineMetrics:
+    """Records `MetricEvents`' events into `metrics` (a `ReplicaMetrics`) from its own thread."""
+
+    def __init__(self, metrics, *, period_s: float = RECORD_PERIOD_S):
+        self.metrics = metrics
+        self.period_s = period_s
+        self._recorders = {"rounds": self._record_rounds, "token_gaps": self._record_token_gaps,
+                           "count": self._record_count, "request": self._record_request,
+                           "phase": self._record_phase, "gauges": self._record_gauges}
+        self._events: collections.deque[Event] = collections.deque()  # thread-safe ends
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-metrics", daemon=True)
+        self._thread.start()
+
+    def add(self, events: Iterable[Event]) -> None:
+        self._events.extend(events)
 
     # -- the recording thread --------------------------------------------------------------------
 
@@ -72,9 +87,9 @@ class EngineMetrics:
         """Records every queued event (the thread does, each period; tests call it directly)."""
         counts: Counts = Counts()
         while self._events:
-            record, payload = self._events.popleft()
+            kind, payload = self._events.popleft()
             try:
-                record(payload, counts)
+                self._recorders[kind](payload, counts)
             except Exception:  # noqa: BLE001 - a metric must never stop the others (nor the replica)
                 log.exception("recording a metric failed")
         for (name, tags), value in counts.items():

@@ -1,38 +1,37 @@
-"""The verifier replica: owns the target, the engine and its scheduler loop, and its drafter.
+"""The verifier replica: its engine's process, and its drafter actor.
 
-The engine runs in one thread (continuous batching; requests join and leave between steps).
-Requests arrive as async calls from the router, each naming its router's output stream; after
-every step the loop thread writes one frame to each router with all of its requests' new outputs
-(`output_stream`), and a call returns once its request has ended. Cancelling a call cancels the
-request in the engine, which frees its KV blocks; the drafter is told to forget it. A router
-that goes away has its requests cancelled the same way. With topology=split the drafter is a separate actor in
-this replica's placement group, reached over a direct channel; if it dies, the engine continues
-target-only (still lossless) and a watcher reattaches the restarted actor.
+The engine, its loop and the target run in a process of their own (`engine_process`), which this
+replica starts and which dies with it. Requests arrive as async calls from the router, each
+naming its router's output stream; they go to the engine's process over a pipe, whose loop
+writes every step's outputs to the routers itself, and a call returns once its request has ended.
+Cancelling a call cancels the request in the engine, which frees its KV blocks; the drafter is
+told to forget it. A router that goes away has its requests cancelled the same way. With
+topology=split the drafter is a separate actor in this replica's placement group, reached by the
+engine's process over a direct channel; if it dies, the engine continues target-only (still
+lossless), and this replica hands it the restarted actor's address.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import queue
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
-
-import torch
+from multiprocessing.connection import Connection
 
 from dflash_serve.services.config import ServeConfig
-from dflash_serve.services.engine.loader import assemble_engine, build_engine, resolve_dtype
-from dflash_serve.services.engine.request import RequestOutput, SpecStats
-from dflash_serve.services.engine.sampling import SamplingParams
-from dflash_serve.services.engine.stopping import FinishReason
-from dflash_serve.services.models import TargetModel
-from dflash_serve.services.models.checkpoint import read_draft_config, resolve_checkpoint
-from dflash_serve.services.verifier.engine_metrics import EngineMetrics, RequestTimings
-from dflash_serve.services.verifier.output_stream import ReplyTo, RouterChannel
+from dflash_serve.services.verifier.engine_metrics import EngineMetrics
+from dflash_serve.services.verifier.output_stream import ReplyTo, StreamLost
 
 log = logging.getLogger(__name__)
-GAUGE_PERIOD_S = 1.0  # gauges are set again this often (Ray exports what was recorded lately)
+STATS_TIMEOUT_S = 30.0  # the engine's process answers between steps
+ERRORS = {"ValueError": ValueError, "ConnectionError": ConnectionError}  # what an ended call may raise
 
 
 def spawn_drafter_actor(config: ServeConfig) -> tuple:
@@ -82,216 +81,63 @@ class Verifier:
         self.config = ServeConfig.from_dict(config)
         engine_cfg = self.config.engine
         self.drafter_actor = drafter_actor
-        self._shared = []  # shared buffers the drafter maps; alive as long as this replica
-        self._remote_proposer = None
-        if self.config.topology == "colocated":
-            self.engine = build_engine(engine_cfg)
-        else:
-            import ray
+        self.drafter_actor_name = None
+        if self.config.topology == "split" and self.drafter_actor is None:  # first: it loads while the target does
+            self.drafter_actor, self.drafter_actor_name = spawn_drafter_actor(self.config)
+        self._process = EngineProcess()
+        try:
+            self._process.send([("config", self.config.to_dict(), metrics is not None)])
+            if self.config.topology == "split":  # the engine sizes its KV cache once the drafter's weights are in
+                import ray
 
-            from dflash_serve.services.engine.loader import load_tokenizer, log_models
-
-            log_models(engine_cfg)
-            draft_cfg = read_draft_config(resolve_checkpoint(engine_cfg.drafter, engine_cfg.drafter_revision))
-            self.drafter_actor_name = None
-            if self.drafter_actor is None:  # first: it loads its weights while the target loads
-                self.drafter_actor, self.drafter_actor_name = spawn_drafter_actor(self.config)
-            address = self.drafter_actor.address.remote()
-            device = torch.device(engine_cfg.device)
-            dtype = resolve_dtype(engine_cfg.dtype, device)
-            target = TargetModel.from_pretrained(engine_cfg.target, draft_cfg.target_layer_ids, dtype=dtype,
-                                                 device=device, revision=engine_cfg.target_revision)
-            tokenizer, eos = load_tokenizer(engine_cfg)
-            address = ray.get(address, timeout=600)  # the drafter's weights are on the GPU: size KV after
-            check_same_node(self.drafter_actor)
-            self.engine = assemble_engine(engine_cfg, target, None, tokenizer=tokenizer, eos_token_ids=eos,
-                                          remote_drafter=draft_cfg,
-                                          remote_drafter_kv_here=self.config.drafter_placement == "shared")
-            self.draft_block_size = draft_cfg.block_size
-            self._pending_address = None  # a restarted drafter's address, while it is asked for
-            self._connect_drafter(address)
+                address = ray.get(self.drafter_actor.address.remote(), timeout=600)
+                check_same_node(self.drafter_actor)
+                self._process.send([("drafter", address)])
+            self.info = self._process.wait_ready()
+        except BaseException:
+            self._process.stop()
+            raise
         if metrics is not None and engine_cfg.drafter:
-            for position in range(getattr(self, "draft_block_size", self.engine.block_size) - 1):
+            for position in range(self.info["block_size"] - 1):
                 metrics.start_at_zero("dflash_spec_decode_num_accepted_tokens_per_pos", position=str(position))
-        self.metrics = EngineMetrics(metrics) if metrics is not None else None  # recorded off the engine's thread
-        self._commands: queue.Queue = queue.Queue()
-        self._channels: dict[ReplyTo, RouterChannel] = {}  # by router, reused (the event loop's)
-        self._open_channels: set[RouterChannel] = set()  # flushed after every step (the engine thread's)
-        self._requests: dict[str, _Call] = {}  # the calls of requests not yet finished
-        self._arrivals: dict[str, float] = {}
-        self._last_emit: dict[str, float] = {}
-        self._stop = threading.Event()
+        self.metrics = EngineMetrics(metrics) if metrics is not None else None  # recorded off the reading thread
+        self._calls: dict[str, _Call] = {}  # the calls of requests not yet ended
+        self._stats: dict[int, _Call] = {}
+        self._tokens = itertools.count()
         self._loop_error = ""
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
-
-    # -- drafter ---------------------------------------------------------------------------------
-
-    def _connect_drafter(self, address) -> None:
-        from dflash_serve.services.verifier.remote_drafter import RemoteProposer
-
-        cfg = self.config.engine
-        capacity = cfg.max_prefill_tokens + cfg.max_num_seqs * self.draft_block_size * 2
-        for buffer in self._shared:
-            buffer.close()
-        self._shared = []
-        proposer = RemoteProposer.connect(
-            address, target=self.engine.runner.target, block_size=self.draft_block_size,
-            kv_block_size=cfg.kv_block_size, num_kv_blocks=self.engine.runner.pool.k.shape[1],
-            capacity_rows=capacity, max_num_seqs=cfg.max_num_seqs, shared=self._shared, graphs=self.engine.graphs,
-            draft_groups=2 if self.config.drafter_placement == "own_gpu" else 1,
-        )
-        self.engine.attach_proposer(proposer)
-        self._remote_proposer = proposer
-
-    def _reattach_if_lost(self) -> None:
-        """Called between steps: after a drafter loss, reconnect once the restarted actor answers.
-        Never blocks the loop (requests keep decoding target-only meanwhile)."""
-        import ray
-
-        if self.drafter_actor is None or self.engine.proposer is not None:
-            return
-        if self._pending_address is None:
-            if time.monotonic() >= getattr(self, "_next_reattach", 0.0):
-                self._pending_address = self.drafter_actor.address.remote()
-            return
-        if not ray.wait([self._pending_address], timeout=0)[0]:
-            return
-        ref, self._pending_address = self._pending_address, None
-        self._next_reattach = time.monotonic() + 1.0
-        try:
-            self._connect_drafter(ray.get(ref))
-            log.info("drafter reattached; speculative decoding resumed")
-        except Exception as err:  # noqa: BLE001 - the actor is still restarting; try again later
-            log.info("drafter not back yet: %s", err)
-
-    # -- the engine loop -------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except BaseException as err:  # noqa: BLE001 - nothing may leave requests waiting forever
-            self._loop_error = f"{type(err).__name__}: {err}"
-            log.exception("the engine loop stopped; this replica fails its health check from now on")
-            for request_id in list(self._requests):  # their streams end with the reason
-                self._deliver(RequestOutput(request_id, [], "", True, FinishReason.ERROR, 0, 0, SpecStats(),
-                                            error=f"the engine loop stopped: {self._loop_error}"))
-            self._flush_outputs()
-
-    def _loop(self) -> None:
-        losses = preemptions = queries = hits = 0
-        next_gauges = 0.0
-        while not self._stop.is_set():
-            if self.metrics is not None and time.monotonic() >= next_gauges:  # also idle: a gauge set once is not exported
-                self._queue_gauges()
-                next_gauges = time.monotonic() + GAUGE_PERIOD_S
-            try:
-                while True:
-                    self._commands.get_nowait()()
-            except queue.Empty:
-                pass
-            if self.config.topology == "split":
-                self._reattach_if_lost()
-            if not self.engine.has_unfinished():
-                self._flush_outputs()  # bytes a router's socket did not take at the last step
-                try:
-                    self._commands.get(timeout=0.05)()
-                except queue.Empty:
-                    pass
-                continue
-            outputs = self.engine.step()
-            scheduler = self.engine.scheduler
-            if self.metrics is not None:  # EngineMetrics.count skips zeros
-                self.metrics.count("dflash_drafter_restarts", self.engine.proposer_losses - losses)
-                self.metrics.count("dflash_num_preemptions", scheduler.num_preemptions - preemptions)
-                self.metrics.count("dflash_prefix_cache_queries", scheduler.prefix_cache_queries - queries)
-                self.metrics.count("dflash_prefix_cache_hits", scheduler.prefix_cache_hits - hits)
-                self._queue_token_gaps(outputs)
-            losses, preemptions = self.engine.proposer_losses, scheduler.num_preemptions
-            queries, hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
-            for out in outputs:
-                self._deliver(out)
-            self._flush_outputs()
-            self._queue_step_metrics()
-
-    def _deliver(self, out: RequestOutput) -> None:
-        call = self._requests.get(out.request_id)
-        if call is not None:
-            call.channel.add(out)
-        if out.finished:
-            self._requests.pop(out.request_id, None)
-            self._last_emit.pop(out.request_id, None)
-            self._record_request(out)
-            self.engine.release(out.request_id)
-            if call is not None:
-                call.channel.requests.discard(out.request_id)
-                call.settle(call.channel.stream_id)
-
-    def _flush_outputs(self) -> None:
-        """One frame to each router with this step's outputs; a router gone has its requests cancelled."""
-        for channel in list(self._open_channels):
-            if channel.flush():
-                continue
-            self._open_channels.discard(channel)
-            if channel.requests:
-                log.warning("the output stream to the router at %s:%d closed (%s): cancelling its %d request(s)",
-                            channel.reply_to.host, channel.reply_to.port, channel.closed_because, len(channel.requests))
-            for request_id in list(channel.requests):
-                call = self._requests.get(request_id)
-                self._cancel(request_id)
-                if call is not None:
-                    call.settle(ConnectionError(f"the output stream to the router closed: {channel.closed_because}"))
+        self._reattaching = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name="engine-replies", daemon=True)
+        self._reader.start()
 
     # -- the router's calls ----------------------------------------------------------------------
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
-                       reply_to: ReplyTo) -> str:
+    async def generate(self, prompt_ids: list[int], params, request_id: str | None, reply_to: ReplyTo) -> str:
         """Runs a request whose outputs go to the router at `reply_to`; returns, once the request's
         last output is in that router's channel, the channel's stream id. Cancelling it cancels
         the request; ValueError if the engine refuses it."""
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
-        channel = self._channels.get(reply_to)
-        if channel is None or channel.closed:  # once per router (and again after its channel closed)
-            for gone in [key for key, known in self._channels.items() if known.closed]:
-                del self._channels[gone]
-            # Connecting can wait seconds for a router that is gone: not on the loop every call shares.
-            channel = await loop.run_in_executor(None, RouterChannel, reply_to)
-            self._channels[reply_to] = channel
-        added: asyncio.Future = loop.create_future()
-        call = _Call(channel, loop, loop.create_future())
-
-        def add() -> None:
-            try:
-                if channel.closed:
-                    raise ConnectionError(f"the output stream to the router closed: {channel.closed_because}")
-                self.engine.add_request(prompt_ids, params, request_id)
-            except (ValueError, ConnectionError) as err:
-                _settle_from_engine(loop, added, err)
-                return
-            self._requests[request_id] = call
-            channel.requests.add(request_id)
-            self._open_channels.add(channel)
-            self._arrivals[request_id] = time.monotonic()
-            _settle_from_engine(loop, added, None)
-
-        self._commands.put(add)
+        call = self._calls[request_id] = _Call(loop, loop.create_future())
         try:
-            await added
+            self._send([("add", request_id, prompt_ids, params, reply_to)])
             return await call.done
         except asyncio.CancelledError:
-            self._commands.put(lambda: self._cancel(request_id))
+            self._send([("cancel", request_id)])
             raise
+        finally:
+            self._calls.pop(request_id, None)
 
-    def _cancel(self, request_id: str) -> None:
-        if self.engine.cancel(request_id) and self.metrics is not None:
-            self.metrics.request_finished(FinishReason.CANCELLED)
-        call = self._requests.pop(request_id, None)
-        if call is not None:
-            call.channel.requests.discard(request_id)
-        for table in (self._arrivals, self._last_emit):
-            table.pop(request_id, None)
-        self.engine.release(request_id)
+    async def stats(self) -> dict:
+        """Engine state for health checks and tests."""
+        loop = asyncio.get_running_loop()
+        token = next(self._tokens)
+        call = self._stats[token] = _Call(loop, loop.create_future())
+        try:
+            self._send([("stats", token)])
+            stats = await asyncio.wait_for(call.done, STATS_TIMEOUT_S)
+        finally:
+            self._stats.pop(token, None)
+        return {**stats, "drafter_actor": self.drafter_actor_name}
 
     def model_info(self) -> dict:
         cfg = self.config.engine
@@ -300,120 +146,214 @@ class Verifier:
             "drafter": cfg.drafter or "",
             "target_revision": cfg.target_revision or "",
             "drafter_revision": cfg.drafter_revision or "",
-            "block_size": getattr(self, "draft_block_size", self.engine.block_size),
-            "max_model_len": self.engine.max_model_len,
+            "block_size": self.info["block_size"],
+            "max_model_len": self.info["max_model_len"],
             "max_tokens_limit": cfg.max_tokens_limit,
-            "vocab_size": self.engine.vocab_size,
+            "vocab_size": self.info["vocab_size"],
             "topology": self.config.topology,
         }
 
     def check_health(self) -> None:
         """Raises when this replica can no longer serve (Serve then replaces it, and the router
-        reports NOT_SERVING meanwhile): its engine loop stopped, or its GPU holds a sticky error
-        (after one, every CUDA call of the process fails)."""
-        # The error is set before the loop's thread ends the requests it held, and so before it exits.
-        if self._loop_error or not self._thread.is_alive():
-            raise RuntimeError(f"the engine loop stopped: {self._loop_error or 'it was shut down'}")
-        if self.engine.device.type == "cuda":
-            torch.cuda.synchronize(self.engine.device)
+        reports NOT_SERVING meanwhile): its engine loop stopped (a sticky CUDA error, after which
+        every CUDA call of the process fails, stops it too), or its process exited."""
+        if self._loop_error:
+            raise RuntimeError(f"the engine loop stopped: {self._loop_error}")
+        if not self._process.alive:
+            raise RuntimeError(f"the engine process exited: {self._process.describe_exit()}")
 
-    def stats(self) -> dict:
-        """Engine state for health checks and tests."""
-        engine = self.engine
-        return {
-            "running": engine.num_running,
-            "waiting": engine.num_waiting,
-            "kv_free_blocks": engine.allocator.num_free,
-            "kv_blocks": engine.allocator.num_blocks,
-            "speculative": engine.proposer is not None,
-            "drafter_losses": engine.proposer_losses,
-            "drafter_actor": getattr(self, "drafter_actor_name", None),
-        }
+    def _send(self, messages: list) -> None:
+        try:
+            self._process.send(messages)
+        except OSError as err:
+            raise StreamLost(f"the engine process of this verifier replica is gone ({err}): retry") from err
 
-    # -- metrics ---------------------------------------------------------------------------------
+    # -- the engine process's replies (this replica's reading thread) ----------------------------
 
-    def _queue_token_gaps(self, outputs: list[RequestOutput]) -> None:
-        """Each request's time since its last tokens, per token (a round's arrive together)."""
-        now, gaps = time.monotonic(), []
-        for out in outputs:
-            if not out.new_token_ids:
-                continue
-            last = self._last_emit.get(out.request_id)
-            if last is not None:
-                gaps.append(((now - last) / len(out.new_token_ids), len(out.new_token_ids)))
-            self._last_emit[out.request_id] = now
-        if gaps:
-            self.metrics.token_gaps(gaps)
+    def _read(self) -> None:
+        handlers = {"ended": self._ended, "stats": self._stats_reply, "metrics": self._metrics,
+                    "drafter_lost": self._drafter_lost, "log": _log_record, "loop_error": self._loop_stopped}
+        while True:
+            try:
+                messages = self._process.conn.recv()
+            except (EOFError, OSError):
+                break
+            for message in messages:
+                handlers[message[0]](*message[1:])
+        # The process is gone: its routers' streams closed with it; no call may wait forever.
+        self._process.wait_exited()
+        lost = StreamLost(f"the engine process of this verifier replica exited ({self._process.describe_exit()}): "
+                          "retry")
+        for calls in (self._calls, self._stats):
+            for call in list(calls.values()):
+                call.settle(lost)
 
-    def _queue_step_metrics(self) -> None:
-        engine = self.engine
-        if self.metrics is None:
-            engine.round_log.clear()
-            return
-        if engine.round_log:
-            self.metrics.rounds(list(engine.round_log), speculative=engine.proposer is not None)
-            engine.round_log.clear()
-        if self._remote_proposer is not None:
-            seconds = self._remote_proposer.drain_transport_seconds()
-            if seconds:
-                self.metrics.phase_seconds("transport", seconds)
+    def _ended(self, request_id: str, stream_id: str | None, error: tuple[str, str] | None) -> None:
+        call = self._calls.pop(request_id, None)
+        if call is not None:
+            call.settle(stream_id if error is None else ERRORS[error[0]](error[1]))
 
-    def _queue_gauges(self) -> None:
-        engine = self.engine
-        self.metrics.gauges({"dflash_num_requests_running": engine.num_running,
-                             "dflash_num_requests_waiting": engine.num_waiting,
-                             "dflash_kv_cache_usage_perc": engine.kv_usage,
-                             "dflash_speculative_enabled": int(engine.proposer is not None)})
+    def _stats_reply(self, token: int, stats: dict) -> None:
+        call = self._stats.pop(token, None)
+        if call is not None:
+            call.settle(stats)
 
-    def _record_request(self, out: RequestOutput) -> None:
-        arrival = self._arrivals.pop(out.request_id, None)
-        seq = self.engine.sequences.get(out.request_id)
-        if self.metrics is None or arrival is None or seq is None:
-            return
-        now, first = time.monotonic(), seq.first_token_time
-        self.metrics.request_finished(out.finish_reason or FinishReason.ERROR, RequestTimings(
-            prompt_tokens=out.num_prompt_tokens, output_tokens=out.num_output_tokens, e2e=now - arrival,
-            queue=None if seq.scheduled_time is None else seq.scheduled_time - arrival,
-            ttft=None if first is None else first - arrival,
-            tpot=(now - first) / (out.num_output_tokens - 1) if first is not None and out.num_output_tokens > 1
-            else None))
+    def _metrics(self, events: list) -> None:
+        if self.metrics is not None:
+            self.metrics.add(events)
+
+    def _loop_stopped(self, text: str) -> None:
+        self._loop_error = text
+
+    def _drafter_lost(self) -> None:
+        """The engine lost its drafter: ask the actor (Ray restarts it) for its address, off this
+        thread, and hand it over; the engine decodes target-only meanwhile and says again if that
+        address does not work yet."""
+        if self.drafter_actor is not None and self._reattaching.acquire(blocking=False):
+            threading.Thread(target=self._reattach, name="drafter-reattach", daemon=True).start()
+
+    def _reattach(self) -> None:
+        import ray
+
+        try:
+            time.sleep(1.0)  # a restarting actor is not back sooner
+            while self._process.alive:
+                try:
+                    address = ray.get(self.drafter_actor.address.remote(), timeout=60)
+                except Exception as err:  # noqa: BLE001 - still restarting: ask again
+                    log.info("drafter not back yet: %s", err)
+                    continue
+                self._send([("drafter", address)])
+                return
+        except StreamLost:
+            pass
+        finally:
+            self._reattaching.release()
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self._process.stop()
+        self._reader.join(timeout=5)
         if self.metrics is not None:
             self.metrics.close()
-        for buffer in self._shared:
-            buffer.close()
-        for channel in self._channels.values():
-            channel.close()
 
 
-def _settle_from_engine(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result) -> None:
-    """Sets a call's future from the engine's thread, through the call's event loop."""
-    try:
-        loop.call_soon_threadsafe(_settle, future, result)
-    except RuntimeError:  # that loop has ended: nothing awaits the call any more (it must not stop the engine)
-        pass
+class EngineProcess:
+    """The engine's process (`python -m ...engine_process FD`) and this replica's end of its pipe.
+
+    A thread of this replica starts it and waits for it, for as long as it lives: the process
+    asks to be killed when that thread ends (PR_SET_PDEATHSIG names the thread, not the process),
+    which happens when this replica's process dies, however it dies."""
+
+    def __init__(self):
+        ours, theirs = socket.socketpair()
+        # The child finds dflash_serve and its dependencies where this process does (a Ray
+        # runtime_env or a test may have put them on sys.path only).
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+        command = [sys.executable, "-m", "dflash_serve.services.verifier.engine_process", str(theirs.fileno())]
+        started: list = []
+        ready = threading.Event()
+        self.returncode: int | None = None
+
+        def start_and_wait() -> None:
+            try:
+                started.append(subprocess.Popen(command, pass_fds=(theirs.fileno(),), env=env))
+            except BaseException as err:  # noqa: BLE001 - the constructor raises it
+                started.append(err)
+            ready.set()
+            if isinstance(started[0], subprocess.Popen):
+                self.returncode = started[0].wait()
+
+        self._watcher = threading.Thread(target=start_and_wait, name="engine-process", daemon=True)
+        self._watcher.start()
+        ready.wait()
+        theirs.close()
+        if isinstance(started[0], BaseException):
+            ours.close()
+            raise started[0]
+        self.popen: subprocess.Popen = started[0]
+        self.conn = Connection(ours.detach())
+        self._send_lock = threading.Lock()
+
+    @property
+    def alive(self) -> bool:
+        return self.returncode is None and self.popen.poll() is None
+
+    def describe_exit(self) -> str:
+        code = self.popen.poll()
+        if code is None:
+            return "it still runs"
+        return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+    def send(self, messages: list) -> None:
+        """Any thread may send; raises OSError once the process is gone."""
+        with self._send_lock:
+            self.conn.send(messages)
+
+    def wait_ready(self) -> dict:
+        """Waits for the engine to be built; returns what it reports (block size, lengths)."""
+        while True:
+            try:
+                messages = self.conn.recv()
+            except (EOFError, OSError):
+                self.wait_exited()
+                raise RuntimeError(f"the engine process exited while starting ({self.describe_exit()}); "
+                                   "its log above says why") from None
+            for message in messages:
+                if message[0] == "log":
+                    _log_record(message[1])
+                elif message[0] == "ready":
+                    return message[1]
+                elif message[0] == "failed":
+                    self.stop()
+                    raise RuntimeError(f"the engine failed to start:\n{message[1]}")
+
+    def wait_exited(self, timeout: float = 10.0) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Asks the loop to end, then kills the process if it has not within `timeout`."""
+        try:
+            self.send([("stop",)])
+        except OSError:
+            pass
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+        self.conn.close()
+
+
+def _log_record(record: logging.LogRecord) -> None:
+    """A record of the engine's process, through this process's handlers for its logger."""
+    logger = logging.getLogger(record.name)
+    if logger.isEnabledFor(record.levelno):
+        logger.handle(record)
+
+
+class _Call:
+    """A call waiting for the engine's process: its event loop and the future it awaits."""
+
+    __slots__ = ("done", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, done: asyncio.Future):
+        self.loop, self.done = loop, done
+
+    def settle(self, result) -> None:
+        """From the reading thread: sets the future through its event loop (an exception is raised)."""
+        try:
+            self.loop.call_soon_threadsafe(_settle, self.done, result)
+        except RuntimeError:  # that loop has ended: nothing awaits the call any more
+            pass
 
 
 def _settle(future: asyncio.Future, result) -> None:
-    """Sets a future on its loop; an exception is raised by it."""
     if future.done():  # its call was cancelled meanwhile
         return
     if isinstance(result, BaseException):
         future.set_exception(result)
     else:
         future.set_result(result)
-
-
-class _Call:
-    """A request's call: the router channel its outputs go to, and the future its call awaits."""
-
-    __slots__ = ("channel", "done", "loop")
-
-    def __init__(self, channel: RouterChannel, loop: asyncio.AbstractEventLoop, done: asyncio.Future):
-        self.channel, self.loop, self.done = channel, loop, done
-
-    def settle(self, result) -> None:
-        _settle_from_engine(self.loop, self.done, result)

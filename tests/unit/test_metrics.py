@@ -1,5 +1,7 @@
 """The metric definitions: what Ray's metric layer accepts and what a scrape shows."""
 
+import pickle
+
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.metrics import FINISHED_REASONS, SPECS, TAG_KEYS, exported_names, vllm_series
 
@@ -62,11 +64,12 @@ class _Recorded:
 
 
 def _engine_metrics():
-    from dflash_serve.services.verifier.engine_metrics import EngineMetrics
+    """The engine process's events, and the replica's recorder they are handed to."""
+    from dflash_serve.services.verifier.engine_metrics import EngineMetrics, MetricEvents
 
     recorded = _Recorded()
     metrics = EngineMetrics(recorded, period_s=3600.0)  # recorded when the test says
-    return metrics, recorded
+    return MetricEvents(), metrics, recorded
 
 
 def test_spec_decode_counters_count_verified_drafts_and_the_chosen_k():
@@ -75,10 +78,11 @@ def test_spec_decode_counters_count_verified_drafts_and_the_chosen_k():
     once per round, an AR round's 0 too while a drafter serves."""
     from dflash_serve.services.engine.engine import RoundRecord
 
-    metrics, recorded = _engine_metrics()
-    metrics.rounds([RoundRecord(3, [3, 2, 0], [3, 1, 0], 0.01, 0.02), RoundRecord(0, [0, 0], [0, 0], 0.0, 0.01)],
+    events, metrics, recorded = _engine_metrics()
+    events.rounds([RoundRecord(3, [3, 2, 0], [3, 1, 0], 0.01, 0.02), RoundRecord(0, [0, 0], [0, 0], 0.0, 0.01)],
                    speculative=True)
-    metrics.rounds([RoundRecord(0, [0], [0], 0.0, 0.01)], speculative=False)  # target-only: no k observed
+    events.rounds([RoundRecord(0, [0], [0], 0.0, 0.01)], speculative=False)  # target-only: no k observed
+    metrics.add(events.take())
     metrics.record_pending()
     counts, observed = recorded.counts, recorded.observed
     assert counts[("dflash_spec_decode_num_drafts", ())] == 2
@@ -100,16 +104,18 @@ def test_engine_metrics_sum_counters_over_a_period_and_observe_every_token():
     from dflash_serve.services.engine.stopping import FinishReason
     from dflash_serve.services.verifier.engine_metrics import EngineMetrics, RequestTimings
 
-    metrics, recorded = _engine_metrics()
+    events, metrics, recorded = _engine_metrics()
     for _ in range(5):
-        metrics.count("dflash_num_preemptions", 2)
-    metrics.count("dflash_prefix_cache_hits", 0)  # zeros are not queued
-    metrics.token_gaps([(0.004, 3), (0.01, 1)])
-    metrics.request_finished(FinishReason.STOP, RequestTimings(prompt_tokens=7, output_tokens=5, e2e=0.5,
-                                                               queue=0.01, ttft=0.1, tpot=0.1))
-    metrics.request_finished(FinishReason.CANCELLED)
-    metrics.phase_seconds("transport", [0.001, 0.002])
-    metrics.gauges({"dflash_num_requests_running": 3})
+        events.count("dflash_num_preemptions", 2)
+    events.count("dflash_prefix_cache_hits", 0)  # zeros are not queued
+    events.token_gaps([(0.004, 3), (0.01, 1)])
+    events.request_finished(FinishReason.STOP, RequestTimings(prompt_tokens=7, output_tokens=5, e2e=0.5,
+                                                              queue=0.01, ttft=0.1, tpot=0.1))
+    events.request_finished(FinishReason.CANCELLED)
+    events.phase_seconds("transport", [0.001, 0.002])
+    events.gauges({"dflash_num_requests_running": 3})
+    metrics.add(pickle.loads(pickle.dumps(events.take())))  # as they cross the pipe
+    assert events.take() == []
     metrics.record_pending()
     assert recorded.calls.count("dflash_num_preemptions") == 1
     assert recorded.counts[("dflash_num_preemptions", ())] == 10
@@ -125,6 +131,7 @@ def test_engine_metrics_sum_counters_over_a_period_and_observe_every_token():
     metrics.close()
 
     threaded = EngineMetrics(recorded := _Recorded(), period_s=3600.0)
-    threaded.count("dflash_drafter_restarts", 1)
+    events.count("dflash_drafter_restarts", 1)
+    threaded.add(events.take())
     threaded.close()
     assert recorded.counts[("dflash_drafter_restarts", ())] == 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import shutil
 from types import SimpleNamespace
 
 import huggingface_hub
@@ -19,7 +20,8 @@ import dflash_serve.services.models.target as target_module
 from dflash_serve.services.api.dflash.v1 import generation_pb2
 from dflash_serve.services.config import EngineConfig, ServeConfig
 from dflash_serve.services.models import CheckpointError, TargetLoadError
-from tests.served_pair import save_tiny_pair
+from tests.served_pair import VOCAB, save_tiny_pair
+from tests.tokenizer import train_tiny_tokenizer
 
 TARGET, DRAFTER = "org/target", "org/drafter"
 ENGINE = {"target": TARGET, "drafter": DRAFTER, "target_revision": "t-commit", "drafter_revision": "v2",
@@ -87,8 +89,25 @@ def test_the_drafter_actor_and_server_load_the_drafter_revision(hub):
     assert gc.get_freeze_count() > 0  # a serving process: its start-up objects frozen
 
 
-def test_get_model_info_shows_the_revisions(hub):
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch) -> None:
+    """The repo ids at their revisions in an offline Hugging Face cache, for the processes this
+    test starts (the verifier's engine process), which FakeHub's patches do not reach."""
+    folders = dict(zip((TARGET, DRAFTER), save_tiny_pair(tmp_path / "folders", block_size=4), strict=True))
+    cache = tmp_path / "hub"
+    for (name, revision), commit in zip(((TARGET, "t-commit"), (DRAFTER, "v2")), ("1" * 40, "2" * 40), strict=True):
+        repo = cache / f"models--{name.replace('/', '--')}"
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / revision).write_text(commit)
+        shutil.copytree(folders[name], repo / "snapshots" / commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_get_model_info_shows_the_revisions(hub_cache):
     """The verifier's model_info, through the router's GetModelInfo, as a client reads it."""
+    from transformers import PreTrainedTokenizerFast
+
     from dflash_serve.services.router.router import Router
     from dflash_serve.services.verifier.verifier import Verifier
 
@@ -101,7 +120,7 @@ def test_get_model_info_shows_the_revisions(hub):
             return verifier.model_info()
 
         handle = SimpleNamespace(model_info=SimpleNamespace(remote=model_info))
-        router = Router(handle, verifier.engine.tokenizer, max_model_len=256, max_tokens_limit=64,
+        router = Router(handle, PreTrainedTokenizerFast(tokenizer_object=train_tiny_tokenizer(VOCAB)), max_model_len=256, max_tokens_limit=64,
                         default_max_tokens=16, max_pending=4)
         reply = asyncio.run(router.GetModelInfo(generation_pb2.GetModelInfoRequest(), None))
         assert (reply.target, reply.target_revision, reply.drafter, reply.drafter_revision) == (

@@ -1,0 +1,467 @@
+"""The verifier's engine process: the engine, its loop, and its outputs' way to the routers.
+
+A verifier replica's own process runs Ray Serve: its event loop, Ray's core-worker threads, the
+calls from routers and the proxy, metric pushes. All of them take the GIL, and a round of the
+default pair is 1-4 ms of host work, so every millisecond they held it the GPU idled (BENCHMARKS,
+the serving path). So the engine has a process of its own, as vLLM's engine core has: the replica
+(`Verifier`) starts it, sends it requests and cancellations over a pipe, and hears back once a
+step at most; after each step this process writes every request's new outputs straight to the
+routers' output streams (`output_stream`). It dies with the replica (PR_SET_PDEATHSIG, and the
+pipe's end), so a killed replica frees its GPU and closes its routers' streams at once.
+
+The pipe carries pickled lists of messages, one list a send:
+  replica -> engine: ("config", dict, record_metrics) first, then ("drafter", address) |
+                     ("add", request_id, prompt_ids, params, reply_to) | ("cancel", request_id) |
+                     ("stats", token) | ("stop",)
+  engine -> replica: ("ready", info) | ("failed", text) | ("ended", request_id, stream_id, error) |
+                     ("stats", token, dict) | ("metrics", events) | ("drafter_lost",) | ("log", record) |
+                     ("loop_error", text)
+An `ended` error is (exception type name, message); `metrics` carries `MetricEvents`' events.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import logging
+import logging.handlers
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+from dflash_serve.services.config import ServeConfig
+from dflash_serve.services.engine.request import RequestOutput, SpecStats
+from dflash_serve.services.engine.stopping import FinishReason
+from dflash_serve.services.verifier.engine_metrics import MetricEvents, RequestTimings
+from dflash_serve.services.verifier.output_stream import ReplyTo, RouterChannel
+
+log = logging.getLogger(__name__)
+GAUGE_PERIOD_S = 1.0  # gauges are set again this often (Ray exports what was recorded lately)
+METRICS_PERIOD_S = 0.1  # metric events go to the replica this often (Ray exports every few seconds)
+IDLE_WAIT_S = 0.05  # how long an idle loop waits for a message before it looks at its streams again
+HEALTH_PERIOD_S = 1.0  # an idle GPU is synchronized this often: a sticky CUDA error then fails the loop
+CONNECTING_WAIT_S = 0.001  # the idle wait while a router's stream is being opened
+
+
+class Pipe:
+    """This process's end of the pipe; `send` may be called from any thread (logging does)."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, messages: list) -> None:
+        with self._lock:
+            self.conn.send(messages)
+
+
+class ReplicaGone(Exception):
+    """The replica's end of the pipe closed: it exited or was killed."""
+
+
+class EngineLoop:
+    """Continuous batching over the engine: requests join and leave between steps. After every
+    step, one frame to each router with all of its requests' new outputs, and one message to the
+    replica with the calls that ended (and, every METRICS_PERIOD_S, the metric events)."""
+
+    def __init__(self, engine, pipe: Pipe, config: ServeConfig, *, record_metrics: bool, draft_block_size: int = 0):
+        self.engine = engine
+        self.pipe = pipe
+        self.config = config
+        self.draft_block_size = draft_block_size
+        self.metrics = MetricEvents() if record_metrics else None
+        self._shared = []  # shared buffers the drafter maps; alive as long as this process
+        self._remote_proposer = None
+        self._drafter_lost_sent = False
+        self._replies: list = []  # messages for the replica, sent once a step
+        self._channels: dict[ReplyTo, RouterChannel] = {}  # by router, reused
+        self._connecting: dict[ReplyTo, tuple[concurrent.futures.Future, list[tuple]]] = {}  # with the adds waiting
+        self._connector = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="router-connect")
+        self._open_channels: set[RouterChannel] = set()  # flushed after every step
+        self._requests: dict[str, RouterChannel] = {}  # requests not yet finished, and their router's channel
+        self._arrivals: dict[str, float] = {}
+        self._last_emit: dict[str, float] = {}
+        self._stopping = False
+
+    def info(self) -> dict:
+        """What the replica answers for model_info without asking this process."""
+        return {"block_size": self.draft_block_size or self.engine.block_size,
+                "max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size}
+
+    # -- the drafter (split topology) ------------------------------------------------------------
+
+    def connect_drafter(self, address) -> None:
+        from dflash_serve.services.verifier.remote_drafter import RemoteProposer
+
+        cfg = self.config.engine
+        capacity = cfg.max_prefill_tokens + cfg.max_num_seqs * self.draft_block_size * 2
+        for buffer in self._shared:
+            buffer.close()
+        self._shared = []
+        proposer = RemoteProposer.connect(
+            address, target=self.engine.runner.target, block_size=self.draft_block_size,
+            kv_block_size=cfg.kv_block_size, num_kv_blocks=self.engine.runner.pool.k.shape[1],
+            capacity_rows=capacity, max_num_seqs=cfg.max_num_seqs, shared=self._shared, graphs=self.engine.graphs,
+            draft_groups=2 if self.config.drafter_placement == "own_gpu" else 1,
+        )
+        self.engine.attach_proposer(proposer)
+        self._remote_proposer = proposer
+        self._drafter_lost_sent = False
+
+    def _reattach(self, address) -> None:
+        """A restarted drafter's address, which the replica asked its actor for."""
+        try:
+            self.connect_drafter(address)
+            log.info("drafter reattached; speculative decoding resumed")
+        except Exception as err:  # noqa: BLE001 - the actor is still restarting; the replica asks again
+            log.info("drafter not back yet: %s", err)
+            self._drafter_lost_sent = False
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        except ReplicaGone:
+            log.info("the verifier replica is gone: the engine process exits")
+        except BaseException as err:  # noqa: BLE001 - nothing may leave requests waiting forever
+            text = f"{type(err).__name__}: {err}"
+            log.exception("the engine loop stopped; this replica fails its health check from now on")
+            for request_id in list(self._requests):  # their streams end with the reason
+                self._deliver(RequestOutput(request_id, [], "", True, FinishReason.ERROR, 0, 0, SpecStats(),
+                                            error=f"the engine loop stopped: {text}"))
+            self._flush_outputs()
+            self._replies.append(("loop_error", text))
+            self._send_replies(metrics=True)
+        finally:
+            self._connector.shutdown(wait=False, cancel_futures=True)
+            for buffer in self._shared:
+                buffer.close()
+            for channel in self._channels.values():
+                channel.close()
+
+    def _loop(self) -> None:
+        engine = self.engine
+        losses = preemptions = queries = hits = 0
+        next_gauges = next_health = next_metrics = 0.0
+        while not self._stopping:
+            now = time.monotonic()
+            if self.metrics is not None and now >= next_gauges:  # also idle: a gauge set once is not exported
+                self._queue_gauges()
+                next_gauges = now + GAUGE_PERIOD_S
+            busy = engine.has_unfinished()
+            self._read_messages(0 if busy else CONNECTING_WAIT_S if self._connecting else IDLE_WAIT_S)
+            self._admit_connected()
+            if engine.proposer is None and self._remote_proposer is not None and not self._drafter_lost_sent:
+                self._replies.append(("drafter_lost",))
+                self._drafter_lost_sent = True
+            if not engine.has_unfinished():
+                self._flush_outputs()  # bytes a router's socket did not take at the last step
+                if engine.device.type == "cuda" and now >= next_health:
+                    import torch
+
+                    torch.cuda.synchronize(engine.device)
+                    next_health = now + HEALTH_PERIOD_S
+            else:
+                outputs = engine.step()
+                scheduler = engine.scheduler
+                if self.metrics is not None:  # MetricEvents.count skips zeros
+                    self.metrics.count("dflash_drafter_restarts", engine.proposer_losses - losses)
+                    self.metrics.count("dflash_num_preemptions", scheduler.num_preemptions - preemptions)
+                    self.metrics.count("dflash_prefix_cache_queries", scheduler.prefix_cache_queries - queries)
+                    self.metrics.count("dflash_prefix_cache_hits", scheduler.prefix_cache_hits - hits)
+                    self._queue_token_gaps(outputs)
+                losses, preemptions = engine.proposer_losses, scheduler.num_preemptions
+                queries, hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
+                for out in outputs:
+                    self._deliver(out)
+                self._flush_outputs()
+                self._queue_step_metrics()
+            send_metrics = time.monotonic() >= next_metrics
+            if send_metrics:
+                next_metrics = time.monotonic() + METRICS_PERIOD_S
+            self._send_replies(metrics=send_metrics)
+
+    def _read_messages(self, timeout: float) -> None:
+        conn = self.pipe.conn
+        try:
+            if not conn.poll(timeout):
+                return
+            while True:
+                for message in conn.recv():
+                    self._handle(message)
+                if not conn.poll(0):
+                    return
+        except (EOFError, OSError) as err:
+            raise ReplicaGone() from err
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "add":
+            self._add(*message[1:])
+        elif kind == "cancel":
+            self._cancel(message[1])
+        elif kind == "stats":
+            self._replies.append(("stats", message[1], self.stats()))
+        elif kind == "drafter":
+            self._reattach(message[1])
+        elif kind == "stop":
+            self._stopping = True
+        else:
+            raise ValueError(f"unknown message from the replica: {kind!r}")
+
+    def _send_replies(self, *, metrics: bool) -> None:
+        if metrics and self.metrics is not None and self.metrics.events:
+            self._replies.append(("metrics", self.metrics.take()))
+        if not self._replies:
+            return
+        replies, self._replies = self._replies, []
+        try:
+            self.pipe.send(replies)
+        except OSError as err:
+            raise ReplicaGone() from err
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _add(self, request_id: str, prompt_ids: list[int], params, reply_to: ReplyTo) -> None:
+        channel = self._channels.get(reply_to)
+        if channel is None or channel.closed:  # once per router (and again after its channel closed),
+            # off this thread: connecting can wait seconds for a router that is gone.
+            if reply_to not in self._connecting:
+                self._flush_outputs()  # a router that hung up is seen now, and dropped
+                for gone in [key for key, known in self._channels.items() if known.closed]:
+                    del self._channels[gone]
+                self._connecting[reply_to] = (self._connector.submit(RouterChannel, reply_to), [])
+            self._connecting[reply_to][1].append((request_id, prompt_ids, params))
+            return
+        self._start(request_id, prompt_ids, params, channel)
+
+    def _admit_connected(self) -> None:
+        for reply_to, (future, adds) in list(self._connecting.items()):
+            if not future.done():
+                continue
+            del self._connecting[reply_to]
+            try:
+                channel = self._channels[reply_to] = future.result()
+            except ConnectionError as err:
+                for request_id, _, _ in adds:
+                    self._replies.append(("ended", request_id, None, ("ConnectionError", str(err))))
+                continue
+            for request_id, prompt_ids, params in adds:
+                self._start(request_id, prompt_ids, params, channel)
+
+    def _start(self, request_id: str, prompt_ids: list[int], params, channel: RouterChannel) -> None:
+        if channel.closed:
+            error = ("ConnectionError", f"the output stream to the router closed: {channel.closed_because}")
+            self._replies.append(("ended", request_id, None, error))
+            return
+        try:
+            self.engine.add_request(prompt_ids, params, request_id)
+        except ValueError as err:
+            self._replies.append(("ended", request_id, None, ("ValueError", str(err))))
+            return
+        self._requests[request_id] = channel
+        channel.requests.add(request_id)
+        self._open_channels.add(channel)
+        self._arrivals[request_id] = time.monotonic()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        channel = self._requests.get(out.request_id)
+        if channel is not None:
+            channel.add(out)
+        if out.finished:
+            self._requests.pop(out.request_id, None)
+            self._last_emit.pop(out.request_id, None)
+            self._record_request(out)
+            self.engine.release(out.request_id)
+            if channel is not None:
+                channel.requests.discard(out.request_id)
+                self._replies.append(("ended", out.request_id, channel.stream_id, None))
+
+    def _flush_outputs(self) -> None:
+        """One frame to each router with this step's outputs; a router gone has its requests cancelled."""
+        for channel in list(self._open_channels):
+            if channel.flush():
+                continue
+            self._open_channels.discard(channel)
+            if channel.requests:
+                log.warning("the output stream to the router at %s:%d closed (%s): cancelling its %d request(s)",
+                            channel.reply_to.host, channel.reply_to.port, channel.closed_because, len(channel.requests))
+            for request_id in list(channel.requests):
+                self._cancel(request_id)
+                error = ("ConnectionError", f"the output stream to the router closed: {channel.closed_because}")
+                self._replies.append(("ended", request_id, None, error))
+
+    def _cancel(self, request_id: str) -> None:
+        if self.engine.cancel(request_id) and self.metrics is not None:
+            self.metrics.request_finished(FinishReason.CANCELLED)
+        channel = self._requests.pop(request_id, None)
+        if channel is not None:
+            channel.requests.discard(request_id)
+        for table in (self._arrivals, self._last_emit):
+            table.pop(request_id, None)
+        self.engine.release(request_id)
+        for _, adds in self._connecting.values():  # not started yet: it never will be
+            adds[:] = [add for add in adds if add[0] != request_id]
+
+    def stats(self) -> dict:
+        engine = self.engine
+        return {
+            "running": engine.num_running,
+            "waiting": engine.num_waiting,
+            "kv_free_blocks": engine.allocator.num_free,
+            "kv_blocks": engine.allocator.num_blocks,
+            "speculative": engine.proposer is not None,
+            "drafter_losses": engine.proposer_losses,
+            "router_streams": len(self._channels),  # routers' output streams known (a closed one until the next opens)
+        }
+
+    # -- metrics ---------------------------------------------------------------------------------
+
+    def _queue_token_gaps(self, outputs: list[RequestOutput]) -> None:
+        """Each request's time since its last tokens, per token (a round's arrive together)."""
+        now, gaps = time.monotonic(), []
+        for out in outputs:
+            if not out.new_token_ids:
+                continue
+            last = self._last_emit.get(out.request_id)
+            if last is not None:
+                gaps.append(((now - last) / len(out.new_token_ids), len(out.new_token_ids)))
+            self._last_emit[out.request_id] = now
+        if gaps:
+            self.metrics.token_gaps(gaps)
+
+    def _queue_step_metrics(self) -> None:
+        engine = self.engine
+        if self.metrics is None:
+            engine.round_log.clear()
+            return
+        if engine.round_log:
+            self.metrics.rounds(list(engine.round_log), speculative=engine.proposer is not None)
+            engine.round_log.clear()
+        if self._remote_proposer is not None:
+            seconds = self._remote_proposer.drain_transport_seconds()
+            if seconds:
+                self.metrics.phase_seconds("transport", seconds)
+
+    def _queue_gauges(self) -> None:
+        engine = self.engine
+        self.metrics.gauges({"dflash_num_requests_running": engine.num_running,
+                             "dflash_num_requests_waiting": engine.num_waiting,
+                             "dflash_kv_cache_usage_perc": engine.kv_usage,
+                             "dflash_speculative_enabled": int(engine.proposer is not None)})
+
+    def _record_request(self, out: RequestOutput) -> None:
+        arrival = self._arrivals.pop(out.request_id, None)
+        seq = self.engine.sequences.get(out.request_id)
+        if self.metrics is None or arrival is None or seq is None:
+            return
+        now, first = time.monotonic(), seq.first_token_time
+        self.metrics.request_finished(out.finish_reason or FinishReason.ERROR, RequestTimings(
+            prompt_tokens=out.num_prompt_tokens, output_tokens=out.num_output_tokens, e2e=now - arrival,
+            queue=None if seq.scheduled_time is None else seq.scheduled_time - arrival,
+            ttft=None if first is None else first - arrival,
+            tpot=(now - first) / (out.num_output_tokens - 1) if first is not None and out.num_output_tokens > 1
+            else None))
+
+
+# -- building the engine -----------------------------------------------------------------------------
+
+
+def build_loop(config: ServeConfig, pipe: Pipe, *, record_metrics: bool) -> EngineLoop:
+    """The engine of `config`. With topology split, the target is loaded while the drafter actor
+    loads its own weights; the KV cache is sized once the replica says where the drafter is
+    (its weights are on the GPU by then)."""
+    from dflash_serve.services.engine.loader import assemble_engine, build_engine, resolve_dtype
+
+    engine_cfg = config.engine
+    if config.topology == "colocated":
+        return EngineLoop(build_engine(engine_cfg), pipe, config, record_metrics=record_metrics)
+    import torch
+
+    from dflash_serve.services.engine.loader import load_tokenizer, log_models
+    from dflash_serve.services.models import TargetModel
+    from dflash_serve.services.models.checkpoint import read_draft_config, resolve_checkpoint
+
+    log_models(engine_cfg)
+    draft_cfg = read_draft_config(resolve_checkpoint(engine_cfg.drafter, engine_cfg.drafter_revision))
+    device = torch.device(engine_cfg.device)
+    dtype = resolve_dtype(engine_cfg.dtype, device)
+    target = TargetModel.from_pretrained(engine_cfg.target, draft_cfg.target_layer_ids, dtype=dtype,
+                                         device=device, revision=engine_cfg.target_revision)
+    tokenizer, eos = load_tokenizer(engine_cfg)
+    (message,) = _receive(pipe.conn)
+    if message[0] != "drafter":
+        raise RuntimeError(f"expected the drafter's address from the replica, got {message[0]!r}")
+    engine = assemble_engine(engine_cfg, target, None, tokenizer=tokenizer, eos_token_ids=eos,
+                             remote_drafter=draft_cfg, remote_drafter_kv_here=config.drafter_placement == "shared")
+    loop = EngineLoop(engine, pipe, config, record_metrics=record_metrics, draft_block_size=draft_cfg.block_size)
+    loop.connect_drafter(message[1])
+    return loop
+
+
+def _receive(conn: Connection) -> list:
+    try:
+        return conn.recv()
+    except (EOFError, OSError) as err:
+        raise ReplicaGone() from err
+
+
+class _PipeLogHandler(logging.Handler):
+    """This process's log records, sent to the replica, whose log handlers write them (Serve's
+    replica log, where operators look)."""
+
+    def __init__(self, pipe: Pipe):
+        super().__init__(logging.INFO)
+        self.pipe = pipe
+        self._prepare = logging.handlers.QueueHandler(None).prepare  # formats it so that it pickles
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.pipe.send([("log", self._prepare(record))])
+        except OSError:  # the replica is gone; this process is about to exit
+            pass
+
+
+def _die_with_parent() -> None:
+    """SIGKILL when the replica's process ends, however it ends (Linux)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dflash_serve.services.verifier.engine_process FD`: FD is this process's end of
+    the replica's socket pair."""
+    from dflash_serve.services.gc_freeze import freeze_startup_objects
+
+    argv = sys.argv[1:] if argv is None else argv
+    _die_with_parent()
+    pipe = Pipe(Connection(int(argv[0])))
+    ours = logging.getLogger("dflash_serve.services")
+    ours.setLevel(logging.INFO)
+    ours.handlers = [_PipeLogHandler(pipe)]
+    ours.propagate = False
+    try:
+        (message,) = _receive(pipe.conn)
+        _, config, record_metrics = message
+        loop = build_loop(ServeConfig.from_dict(config), pipe, record_metrics=record_metrics)
+    except ReplicaGone:
+        return 0
+    except BaseException:  # noqa: BLE001 - the replica reports it and fails to start
+        pipe.send([("failed", traceback.format_exc())])
+        return 1
+    pipe.send([("ready", loop.info())])
+    freeze_startup_objects()
+    loop.run()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    logging.shutdown()
+    os._exit(code)  # not the interpreter's teardown: nothing is left to flush, and it takes seconds
