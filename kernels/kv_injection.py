@@ -108,8 +108,10 @@ if triton is not None:
         BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     ):
         HALF: tl.constexpr = HEAD_DIM // 2
-        row = tl.program_id(0)
-        layer = tl.program_id(1)
+        # int64: layer * stride_k_layer passes 2**31 in a real pool (a Qwen3-8B drafter's 5 layers
+        # of 33k+ blocks on an H200), and an int32 product wraps to an address outside it.
+        row = tl.program_id(0).to(tl.int64)
+        layer = tl.program_id(1).to(tl.int64)
         dtype = kv_ptr.dtype.element_ty
         heads = tl.arange(0, BLOCK_H)[:, None]
         dims = tl.arange(0, BLOCK_HALF)[None, :]

@@ -360,6 +360,33 @@ def test_injection_triton_matches_reference(dtype, num_rows, num_layers, num_kv_
     assert untouched_are_nan(k_cache, slot_mapping.to(DEVICE)) and untouched_are_nan(v_cache, slot_mapping.to(DEVICE))
 
 
+@requires_cuda
+def test_injection_triton_writes_the_last_layer_of_a_pool_past_two_to_the_31_elements():
+    """A Qwen3-8B drafter's pool on an H200: 5 layers of 33k blocks (16 tokens, 8 heads of 128),
+    so layer 4 starts past 2**31 elements. An int32 offset wrapped there and the kernel wrote
+    outside the pool (an illegal memory access in `dflash bench` on the H200, 2026-12-02)."""
+    num_layers, num_blocks, block_size, num_kv_heads, head_dim = 5, 33_000, 16, 8, 128
+    assert (num_layers - 1) * num_blocks * block_size * num_kv_heads * head_dim > 2**31
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+    num_rows = 256
+    kv = torch.randn(num_rows, num_layers, 2, num_kv_heads, head_dim, generator=generator, device="cuda",
+                     dtype=torch.bfloat16)
+    k_norm_weight = torch.ones(num_layers, head_dim, dtype=torch.bfloat16, device="cuda")
+    angles = torch.rand(num_rows, head_dim, generator=generator, device="cuda")
+    slot_mapping = torch.arange(num_rows, device="cuda") + (num_blocks - 32) * block_size  # the last blocks
+    inject_context_kv_triton(kv, k_norm_weight, angles.cos(), angles.sin(), slot_mapping, k_cache, v_cache, eps=1e-6)
+    torch.cuda.synchronize()
+    assert torch.equal(written_rows(v_cache, slot_mapping), kv[:, :, 1])
+    expected = k_cache.new_zeros((num_layers, 32, block_size, num_kv_heads, head_dim))
+    inject_context_kv_reference(kv, k_norm_weight, angles.cos(), angles.sin(), slot_mapping - (num_blocks - 32) * block_size,
+                                expected, expected.clone(), eps=1e-6)
+    assert relative_error(k_cache[:, -32:].float(), expected.float()) < 4e-3
+    del k_cache, v_cache
+
+
 # -- dispatch -------------------------------------------------------------------------------------
 
 
