@@ -66,21 +66,15 @@ from dflash_serve.services.engine.kv_cache import AttentionBatch, BlockAllocator
 from dflash_serve.services.engine.prefill_graphs import PrefillChunkView, PrefillGraphs
 from dflash_serve.services.engine.request import RequestOutput, Sequence, SequenceStatus
 from dflash_serve.services.engine.round_cost_cache import RoundCostCache
+from dflash_serve.services.engine.round_costs import COST_CONTEXT, load_or_measure
 from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, resolve_seed, sample_tokens
 from dflash_serve.services.engine.scheduler import PrefillChunk, Scheduler
-from dflash_serve.services.engine.speculation import RoundCosts, SpeculationPolicy, context_slope, time_call
+from dflash_serve.services.engine.speculation import SpeculationPolicy
 from dflash_serve.services.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
 from dflash_serve.services.engine.target_runner import TargetRunner
 from dflash_serve.services.engine.transfer import to_device
 
 log = logging.getLogger(__name__)
-# Where every sequence sits when round costs are measured: attention's share of a round grows
-# with the context, so they are measured at two (a short chat's, and a prompt's first blocks) and
-# the policy takes them at each batch's mean position.
-COST_CONTEXT = 256
-NEAR_COST_CONTEXT = 32
-# The largest batch whose eager rounds are timed at start-up (a CPU takes seconds per full batch).
-MAX_TIMED_BATCH = 32
 # Two groups are pipelined from 2 × this many decoding sequences (`Engine.min_group_size`), and
 # only where the measured costs say they pay (`_two_groups_pay`); below it, the host's work per
 # round would weigh on every step twice.
@@ -990,124 +984,11 @@ class Engine:
             self.measure_round_costs()
 
     def measure_round_costs(self, context: int = COST_CONTEXT) -> None:
-        """Time this engine's own round shapes (`RoundCosts`) for the adaptive policy and the
-        two-group gate (`_two_groups_pay`): the verify of every k bucket and the draft, at a few
-        batch sizes, every sequence at position `context`; and the verify of k = 0 and the draft
-        again at NEAR_COST_CONTEXT, for what a position of context adds. With CUDA graphs, by
-        replaying them (on scratch blocks); else by eager forwards on borrowed free blocks, which
-        all rows of a batch share (the writes collide harmlessly: only the time counts). Does
-        nothing when neither needs them: no batch size left to the policy, and a drafter that
-        cannot pipeline."""
-        policy = self.speculation
-        if self.proposer is None or not (policy.needs_costs() or self.proposer.draft_groups == 2):
-            return
-        context = max(0, min(context, self.max_model_len - self.block_size))
-        # What else the times depend on: the drafter's kind and place, the rounds timed, graphs or not.
-        shapes = {"proposer": type(self.proposer).__name__, "draft_groups": self.proposer.draft_groups,
-                  "ks": list(policy.ks), "context": context, "block_size": self.block_size,
-                  "graphs": None if self.graphs is None else [self.graphs.buckets, self.graphs.k_buckets]}
-        cache = self.round_cost_cache
-        measured = cache.load(shapes) if cache is not None else None
-        if measured is not None:
-            measured["verify"] = {int(k): seconds for k, seconds in measured["verify"].items()}  # JSON keys are text
-            policy.costs = RoundCosts(**measured)
-            log.info("round costs from %s (measured at an earlier start)", cache.path(shapes))
-            return
-        measured = self._measure_round_costs(context, policy)
-        policy.costs = RoundCosts(**measured)
-        if cache is not None:
-            cache.store(shapes, measured)
-
-    def _measure_round_costs(self, context: int, policy: SpeculationPolicy) -> dict:
-        """`RoundCosts`' arguments, timed now."""
-        t0 = time.perf_counter()
-        near = min(NEAR_COST_CONTEXT, context // 2)
-        # An eager draft of k drafts takes the LM head over k rows only (`DraftRunner.draft_logits`):
-        # the draft is timed for each k > 0, and at `near` for the fewest, as `draft` holds.
-        drafted = [k for k in policy.ks if k] or [self.block_size - 1]
-        sizes, verify, draft = self._time_rounds(context, policy.ks, drafted)
-        slopes = {}
-        if near < context:
-            _, verify_near, draft_near = self._time_rounds(near, (0,), drafted[:1])
-            slopes["verify_slope"] = context_slope(verify[0], verify_near[0], context, near)
-            if draft is not None:
-                slopes["draft_slope"] = context_slope(draft, draft_near, context, near)
-        log.info("round costs measured in %.0f ms (batch sizes %s, k %s)", 1e3 * (time.perf_counter() - t0),
-                 sizes, list(policy.ks))
-        return {"batch_sizes": sizes, "verify": verify, "draft": draft, "context": context, **slopes}
-
-    def _time_rounds(self, context: int, ks: tuple[int, ...],
-                     drafted: list[int]) -> tuple[list[int], dict, list[float] | None]:
-        """Batch sizes, the verify seconds of each k in `ks` per size, and the draft's per size
-        (None where this process does not draft), every sequence at position `context`: by the
-        graphs' replays where they serve every k the policy may choose (their draft covers the
-        whole block), else eagerly (`_time_eager_rounds`, with drafts of each of `drafted`)."""
-        graphs = self.graphs
-        if (graphs is not None and graphs.fits(self.proposer, self.block_size)
-                and set(self.speculation.ks) <= set(graphs.k_buckets)):
-            timed = graphs.time_round(context)
-            sizes = sorted(timed["verify"])
-            verify = {k: [timed["verify"][n][k] for n in sizes] for k in ks}
-            draft = [timed["draft"][n] for n in sizes] if timed["draft"] else None
-            return sizes, verify, draft
-        return self._time_eager_rounds(context, ks, drafted)
-
-    def _time_eager_rounds(self, context: int, ks: tuple[int, ...],
-                           drafted: list[int]) -> tuple[list[int], dict, list[float] | None]:
-        """Eager forwards at batch sizes 1, 4, half of max_num_seqs and max_num_seqs; `RoundCosts`
-        interpolates between them. On a CPU a forward's time is not linear in the batch, so the
-        line through 1 and 4 alone misjudged a full batch both ways for the default pair (16
-        sequences: the draft 56 ms predicted, 111 measured; an AR step 160 predicted, 108
-        measured), and the line from 4 to 32 a half batch (16 sequences, k = 7: 396 ms
-        predicted, 516 measured), and the policy speculated where AR was faster. Each size
-        costs start-up time on a CPU (seconds at max_num_seqs 32, the default pair), so the
-        largest size timed is at most MAX_TIMED_BATCH; larger batches extrapolate from it."""
-        block, page, device = self.block_size, self.allocator.block_size, self.device
-        largest = min(self.config.max_num_seqs, MAX_TIMED_BATCH)
-        sizes = sorted({max(1, min(n, largest)) for n in (1, 4, largest // 2, largest)})  # max_num_seqs 1: just 1
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        table: list[int] = []
-        self.allocator.grow(table, context + block)
-        verify: dict[int, list[float]] = {k: [] for k in ks}
-        draft: list[float] | None = None if self.proposer.drafts_in_background else []
-
-        def shapes(n: int, width: int):
-            tables = torch.tensor([table] * n, dtype=torch.int32, device=device)
-            starts = torch.full((n,), context, dtype=torch.long, device=device)
-            batch = AttentionBatch.for_round(tables, starts, width, page)
-            positions = (starts[:, None] + torch.arange(width, device=device)).flatten()
-            return torch.zeros(n * width, dtype=torch.long, device=device), starts, positions, batch
-
-        def verify_call(n: int, k: int):
-            ids, _, positions, batch = shapes(n, k + 1)
-            rows = torch.arange(n * (k + 1), device=device)
-            return lambda: self.runner.forward(ids, positions, batch, rows)
-
-        def draft_call(n: int, k: int):
-            ids, starts, _, batch = shapes(n, block)
-
-            def call():
-                self.proposer.request_drafts((), ids[:n], starts, [table] * n, batch, num_drafts=k)
-                return self.proposer.receive_drafts()
-            return call
-
-        # `draft` holds the draft of the fewest drafts; what more drafts add goes with the verify of k.
-        try:
-            with torch.inference_mode():
-                verify_call(sizes[-1], block - 1)()  # first calls allocate and pick kernels: once
-                if draft is not None:
-                    draft_call(sizes[-1], block - 1)()
-                for n in sizes:
-                    for k in verify:
-                        verify[k].append(time_call(verify_call(n, k), sync, warm_up=False))
-                    if draft is not None:
-                        by_k = {k: time_call(draft_call(n, k), sync, warm_up=False) for k in drafted}
-                        draft.append(by_k[drafted[0]])
-                        for k in drafted[1:]:
-                            verify[k][-1] += max(0.0, by_k[k] - by_k[drafted[0]])
-        finally:
-            self.allocator.release(table)
-        return sizes, verify, draft
+        """Give the speculation policy the costs of this engine's round shapes, measured now or at
+        an earlier start (`round_costs.load_or_measure`), where it or the two-group gate needs them."""
+        costs = load_or_measure(self, context)
+        if costs is not None:
+            self.speculation.costs = costs
 
     def _synthetic_accept_length(self, k: int) -> int:
         """Accepted drafts of a round verifying k: the drafter's whole block matches the target up

@@ -17,9 +17,8 @@ import types
 import pytest
 import torch
 
-from dflash_serve.services.engine.engine import COST_CONTEXT
+from dflash_serve.services.engine.round_costs import COST_CONTEXT, RoundCosts
 from dflash_serve.services.engine.sampling import SamplingParams
-from dflash_serve.services.engine.speculation import RoundCosts
 from tests.conftest import drafter_config, random_drafter
 from tests.engine.harness import (
     OracleProposer,
