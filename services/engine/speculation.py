@@ -35,6 +35,7 @@ from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.round_costs import OUTLIER_FACTOR, RoundCosts
 
 BASE_K_BUCKETS = (0, 1, 3, 7)
+PROBE_INTERVAL = 8  # AR rounds in a row before a probe, at the least (`SpeculationPolicy`)
 PROBE_ROUNDS = 2  # a probe's rounds in a row: a round's wall time holds the next one's launch, of the same k
 PROBE_BUDGET = 0.01  # what probes are expected to lose against AR, at most this share of the AR steps' time
 PROBE_COST_RATE = 0.5  # probes are rare: each of their rounds moves their measured cost this far
@@ -228,21 +229,20 @@ class SpeculationPolicy:
     steps where probes took 1.5–2.4, and probes cost twice their budget.
     """
 
-    def __init__(self, config: EngineConfig, block_size: int, costs: RoundCosts | None = None,
-                 tracker: AcceptanceTracker | None = None, *, probe_interval: int = 8):
-        self.mode = config.speculation
-        # Only the adaptive choice reads what rounds teach (acceptance, round times, the batch's context).
-        self.adapts = self.mode == "adaptive"
+    def __init__(self, config: EngineConfig, block_size: int, costs: RoundCosts | None = None):
+        # adaptive, or fixed (B−1). Only the adaptive choice reads what rounds teach (acceptance, round times, the
+        # batch's context).
+        self.adapts = config.speculation == "adaptive"
         self.table = dict(config.num_speculative_tokens_per_batch_size)
         self.block_size = block_size
         self.ks = k_buckets(block_size, self.table)
         self.costs = costs
-        self._tracker = tracker or AcceptanceTracker(max(block_size - 1, 0))
+        self._tracker = AcceptanceTracker(max(block_size - 1, 0))
         self._realized = RealizedDrafts()
         # Rounds observed and not yet taken into the estimates, per k: {(verified, accepted): sequences}, and how many
         self._unseen: dict[int, Counter[tuple[int, int]]] = {}
         self._unseen_rounds: Counter[int] = Counter()
-        self.probe_interval = probe_interval
+        self.probe_interval = PROBE_INTERVAL
         self._ar_rounds = 0  # AR rounds chosen in a row by the adaptive policy
         self._prior = [self._tracker.prior] * len(self._tracker.acceptance)
         self._probe_k = 0  # the last probe's k
@@ -268,7 +268,7 @@ class SpeculationPolicy:
 
     def needs_costs(self) -> bool:
         """Whether some batch size is left to the adaptive policy (the table does not cover all)."""
-        return self.block_size > 1 and self.mode == "adaptive" and (not self.table or table_k(self.table, 1) is None)
+        return self.block_size > 1 and self.adapts and (not self.table or table_k(self.table, 1) is None)
 
     def choose(self, caps: Sequence[int | None], context: float | None = None) -> int:
         """k for a batch whose requests allow at most caps[i] drafts (None: no limit), at mean
@@ -284,7 +284,7 @@ class SpeculationPolicy:
         forced = table_k(self.table, n) if self.table else None
         if forced is not None:
             return self._bucket_at_most(min(forced, limit))
-        if self.mode == "fixed":
+        if not self.adapts:  # fixed
             return self._bucket_at_most(limit)
         if self.costs is None:
             raise RuntimeError("adaptive speculation has no round costs: call Engine.measure_round_costs() first")
