@@ -319,7 +319,7 @@ def _fetch_default(args: argparse.Namespace) -> int:
 
 
 def _bench_loads(args: argparse.Namespace) -> list:
-    from dflash_serve.services.bench.serve_bench import Load
+    from dflash_serve.services.bench.workload import Load
 
     def numbers(text: str, kind, flag: str) -> list:
         try:
@@ -410,16 +410,9 @@ def _bench(args: argparse.Namespace) -> int:
     import httpx
 
     from dflash_serve.services.bench.prompts import CONVERSATION_LOADERS
-    from dflash_serve.services.bench.serve_bench import (
-        BenchSampling,
-        EmbeddedBackend,
-        GrpcBackend,
-        OpenAIBackend,
-        default_slices,
-        run_bench,
-        run_interleaved,
-        write_report,
-    )
+    from dflash_serve.services.bench.load_generators import EmbeddedBackend, GrpcBackend, OpenAIBackend
+    from dflash_serve.services.bench.serve_bench import default_slices, run_bench, run_interleaved, write_report
+    from dflash_serve.services.bench.workload import BenchSampling
     from dflash_serve.services.models import CheckpointError, TargetLoadError
     from dflash_serve.services.models.default_pair import DefaultPairError
 

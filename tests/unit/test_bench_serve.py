@@ -29,27 +29,24 @@ from dflash_serve.services.bench.prompts import (
     load_conversations,
     random_prompts,
 )
+from dflash_serve.services.bench.load_generators import EmbeddedBackend, GrpcBackend, OpenAIBackend
+from dflash_serve.services.bench.report import comparison_lines, markdown_report
 from dflash_serve.services.bench.serve_bench import (
     PASS_SEED_STRIDE,
-    BenchSampling,
-    EmbeddedBackend,
-    GrpcBackend,
-    Load,
-    OpenAIBackend,
-    RequestRecord,
-    SpecCounters,
-    distribution_ms,
-    PrefixCacheCounters,
-    markdown_report,
-    parse_prefix_cache_counters,
-    parse_spec_counters,
-    comparison_lines,
     default_slices,
     run_bench,
     run_interleaved,
     slice_orders,
+)
+from dflash_serve.services.bench.summary import (
+    PrefixCacheCounters,
+    SpecCounters,
+    distribution_ms,
+    parse_prefix_cache_counters,
+    parse_spec_counters,
     summarize,
 )
+from dflash_serve.services.bench.workload import BenchSampling, Load, RequestRecord
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.loader import build_engine
 from dflash_serve.services.engine.synthetic_acceptance import SyntheticAcceptance
