@@ -3,7 +3,7 @@
 Every knob lives here once, as a pydantic field with its default and description. The models are
 frozen and strict (a key they do not know, a string where a number goes, or a value out of range
 is refused at construction with a message naming the key), and everything else derives from them:
-the Helm chart's values schema (tests/helm/config_schema.py), the CLI's flags (services/cli.py),
+the Helm chart's values schema (tests/helm/config_schema.py), the CLI's flags (services/cli/flags.py),
 and the DFLASH_* environment overrides read by `load`.
 
 Where values come from, highest first: command-line flags > DFLASH_* environment variables > the

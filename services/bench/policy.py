@@ -20,7 +20,8 @@ import random
 import time
 
 from dflash_serve.services.config import EngineConfig
-from dflash_serve.services.engine.speculation import RoundCosts, SpeculationPolicy, k_buckets
+from dflash_serve.services.engine.round_costs import RoundCosts
+from dflash_serve.services.engine.speculation import SpeculationPolicy, k_buckets
 
 BLOCK = 16
 SIZES = (1, 2, 4, 8, 16, 32)  # the batch sizes `Engine.measure_round_costs` times on a GPU

@@ -2,8 +2,8 @@
 
 Random-weight Qwen3-8B-shaped target and Qwen3-8B-DFlash-b16-shaped drafter are built on the
 GPU (no weights to download). Random drafts are never accepted, so DFlash rows use the
-benchmark-only SYNTHETIC acceptance switch (`Engine.synthetic_tau`): every round is forced to
-accept a fixed number of drafts. Every DFlash row says so; no default ever turns it on.
+benchmark-only SYNTHETIC acceptance (`Engine.synthetic`, synthetic_acceptance.py): every round is
+forced to accept a fixed number of drafts. Every DFlash row says so; no default ever turns it on.
 
     python -m dflash_serve.services.bench.spec_engine --out BENCH.json
 
@@ -32,6 +32,7 @@ from dflash_serve.services.bench.timing import cuda_ms_per_call
 from dflash_serve.services.config import SPECULATION_MODES, EngineConfig
 from dflash_serve.services.engine.loader import assemble_engine
 from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.synthetic_acceptance import SyntheticAcceptance
 from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -213,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             target = TargetModel(hf, drafter.config.target_layer_ids)
             spec = assemble_engine(base.model_copy(update={"speculation": mode}), target, drafter)
-            spec.synthetic_tau = taus[0]
+            spec.synthetic = SyntheticAcceptance(taus[0])
             run_case(spec, batch, args.prompt_len, 40)  # warm-up
             for tau in taus:
-                spec.synthetic_tau = tau
+                spec.synthetic.tau = tau
                 row = {"mode": f"DFlash {mode}", "batch": batch, "synthetic": True, "target_tau": tau,
                        **run_case(spec, batch, args.prompt_len, args.max_tokens, census=tau == taus[0])}
                 if "verify_census" in row:

@@ -38,8 +38,9 @@ import torch
 from dflash_serve.services.bench.spec_engine import build_models, run_case
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.cuda_mps import cuda_mps
-from dflash_serve.services.engine.engine import MIN_GROUP_SIZE
 from dflash_serve.services.engine.loader import assemble_engine
+from dflash_serve.services.engine.synthetic_acceptance import SyntheticAcceptance
+from dflash_serve.services.engine.two_groups import MIN_GROUP_SIZE
 from dflash_serve.services.models import TargetModel, save_drafter
 
 
@@ -123,7 +124,7 @@ def _run(args: argparse.Namespace, modes: list[str]) -> int:
                             max_prefill_tokens=8192, speculation="fixed")
 
     def measure(engine, mode: str, batch: int) -> dict:
-        engine.synthetic_tau = args.tau
+        engine.synthetic = SyntheticAcceptance(args.tau)
         run_case(engine, batch, args.prompt_len, 40)  # warm-up
         row = {"mode": mode, "batch": batch, "synthetic": True,
                **run_case(engine, batch, args.prompt_len, args.max_tokens)}

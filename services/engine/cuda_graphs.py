@@ -33,8 +33,8 @@ import torch
 from dflash_serve.kernels import accept_round
 from dflash_serve.services.engine.draft_runner import DraftRunner, Proposer
 from dflash_serve.services.engine.kv_cache import AttentionBatch
+from dflash_serve.services.engine.round_costs import time_call
 from dflash_serve.services.engine.sampling import SamplingBatch, sample_tokens
-from dflash_serve.services.engine.speculation import time_call
 from dflash_serve.services.engine.target_runner import TargetRunner
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)

@@ -8,7 +8,7 @@ second,
 
     sum_i E[accepted_i + 1 | min(k, cap_i)]  /  (draft(n) [k > 0] + verify(n, k)),
 
-from verify and draft costs the engine measured for its own shapes at start-up (`RoundCosts`) at
+from verify and draft costs the engine measured for its own shapes at start-up (`RoundCosts`, round_costs.py) at
 the batch's mean context, corrected online by the wall time rounds of each k actually take (the
 host's share and sampling are not in a graph replay, and on a small model they dominate), and the
 acceptance measured online per draft position (`AcceptanceTracker`), its drafts past the first
@@ -28,18 +28,17 @@ import bisect
 import itertools
 import math
 import operator
-import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from dflash_serve.services.config import EngineConfig
+from dflash_serve.services.engine.round_costs import OUTLIER_FACTOR, RoundCosts
 
 BASE_K_BUCKETS = (0, 1, 3, 7)
+PROBE_INTERVAL = 8  # AR rounds in a row before a probe, at the least (`SpeculationPolicy`)
 PROBE_ROUNDS = 2  # a probe's rounds in a row: a round's wall time holds the next one's launch, of the same k
 PROBE_BUDGET = 0.01  # what probes are expected to lose against AR, at most this share of the AR steps' time
 PROBE_COST_RATE = 0.5  # probes are rare: each of their rounds moves their measured cost this far
-OUTLIER_FACTOR = 2.0  # a round's wall time counts as at most this many times the current estimate
-PRIOR_ROUNDS = 4  # a kind of round's cost averages its first rounds from its prior, which counts as this many
 # A batch's k is weighed again after this many rounds: the estimates are moving averages over hundreds of trials and
 # rounds, and weighing every k took the H200's host 30–37 µs a round at batch 32, 2 % of a round (BENCHMARKS).
 WEIGH_ROUNDS = 4
@@ -200,295 +199,6 @@ class RealizedDrafts:
             self.accepted += (1 - (1 - self.drift) ** num_rounds) * (self.expected - self.accepted)
 
 
-class DriftingEstimates:
-    """A cost per kind of round (a key) that moves with the host: each key's estimate is its own
-    base times one drift factor shared by every key. A round observed moves its key's base at
-    `rate` — after averaging its first trials from the prior it started at, counted as
-    `prior_trials` trials — and, once the key is settled (that average done), the drift at
-    `drift_rate` with what its base left of the error. Bounded: one base per key.
-
-    Why shared: the host's speed changes under the policy (H200, T 1 alpaca at c = 32: AR steps alone
-    ran 12.7k–20.2k tok/s from one 3-s pass to the next), and a kind of round the policy stops
-    choosing is not measured again. Each kind kept its own moving average, and AR steps at batch 32
-    kept the 1.22 ms of host (× 1.10 wall) they read in a slow pass for ten passes, while rounds of
-    k = 3 tracked the host at 0.95–1.45 ms: the policy priced AR steps at 1.35 ms where its own AR
-    steps took 0.97–1.04, verified k = 3 in 96 % of the rounds, and ran 0.95 × AR (BENCHMARKS).
-    A key's start moves no drift: from its prior (an AR step's host time for a new k) to its own
-    cost is that kind's difference, not the host's.
-    """
-
-    def __init__(self, *, rate: float = 0.005, drift_rate: float = 0.05, prior_trials: int = PRIOR_ROUNDS):
-        if not 0 < rate <= 1 or not 0 < drift_rate <= 1 or prior_trials < 0:
-            raise ValueError(f"rate {rate} and drift_rate {drift_rate} must be in (0, 1], "
-                             f"prior_trials {prior_trials} ≥ 0")
-        self.rate, self.drift_rate, self.prior_trials = rate, drift_rate, prior_trials
-        self.drift = 1.0
-        self.base: dict = {}
-        self.trials: dict = {}
-
-    def get(self, key) -> float | None:
-        """The key's estimate now (None: never observed)."""
-        base = self.base.get(key)
-        return None if base is None else base * self.drift
-
-    def observe(self, key, value: float, prior: float) -> None:
-        """A round of `key` measured `value`; `prior`: what the caller took for it until now, where
-        it has no estimate of its own. One observation counts for at most OUTLIER_FACTOR times the
-        estimate (see `RoundCosts`)."""
-        drift, trials = self.drift, self.trials.get(key, 0)
-        base = self.base.get(key, prior / drift)
-        value = min(value, OUTLIER_FACTOR * base * drift)
-        weight = max(self.rate, 1 / (self.prior_trials + trials + 1))
-        base += weight * (value / drift - base)
-        self.base[key], self.trials[key] = base, trials + 1
-        if weight == self.rate:  # settled
-            self.drift = drift + self.drift_rate * (value / base - drift)
-
-
-class RoundCosts:
-    """Seconds of a round's verify (per batch size and k bucket) and draft forward (per batch
-    size), at the batch sizes measured; between them, linear in the batch size. Measured with
-    every sequence at position `context`; a batch at another mean context adds `verify_slope`
-    (and, with a draft, `draft_slope`) seconds per position, per batch size — the attention's
-    reads of the context, measured for k = 0 and taken for every k (on CPU, the default pair at
-    32 sequences: from context 32 to 256 a verify took 64 ms more at k = 0, 61 at k = 1, 74 at
-    k = 7, 85 at k = 15, on a k = 0 step of 92 ms). Without it, costs measured at position 256
-    made an AR step of 16 sequences at context ~120 cost 103 ms where it took 84, and the
-    policy speculated where AR was faster.
-
-    A drafter in another process cannot be timed at start-up: its cost is learnt from the rounds
-    (`observe_draft`), starting at 0 where unobserved — optimistic, so that rounds speculate and
-    measure it.
-
-    A round's wall time is not its forwards' device time: the host's work per round, and
-    sampling, come on top, more so for a speculative round than an AR step. Wall times of rounds
-    (`observe_round`) keep, per kind of round — an AR step, or speculative whatever its k — and
-    measured batch size, an estimate of wall / predicted seconds that scales `round_seconds`: its own
-    times a drift every kind and size shares (`DriftingEstimates`), so that a kind the policy stopped
-    choosing follows what the other kind's rounds show of the host; a kind and size never observed
-    keeps the start-up prediction, which underestimates it — so it is tried, and measured, once
-    chosen. One observation counts for at most OUTLIER_FACTOR times the estimate: on a shared host
-    a round only ever takes longer than its work (another process, a collection), and one slow
-    round must not make a kind of round look slow until the policy, no longer choosing it, never
-    measures it again. One factor
-    serves every k > 0: on the H100 at batch 32 it was 1.11, 1.13 and 1.14 for k = 1, 7 and 15
-    (1.20 for AR steps beside a drafter), and every speculative round keeps it current, where a
-    factor per k kept, for the ks the policy stopped choosing, whatever their few rounds said. A
-    kind never observed at a size takes the other kind's factor there where that is below 1 (a
-    start-up that read slow, e.g. under load, did so for both): with 1 for AR steps beside 0.95
-    measured for speculative rounds, AR looked dearer than it was and was never chosen, so never
-    measured. Above 1 it keeps 1: a speculative round's own extra work (sampling more rows) is
-    not an AR step's, and an unobserved kind must look no worse than its prediction to be tried.
-
-    Where rounds chain (a GPU), the device runs a round while the host finishes the one before and
-    launches the next, so a round takes the longer of the two: the host's own seconds per round
-    (`host_seconds`, an estimate per k and size sharing one drift, as the wall factors do; a k not
-    yet chosen takes an AR step's) bound
-    the prediction from below, and the wall factor (per kind and size) corrects that: it is each
-    chained round's wall time over the longer of that round's own host time and the device's
-    prediction. Over the moving average of the host time instead, the factor counted the average's
-    lag twice: the average starts at the device's prediction and takes ~50 rounds to reach the
-    host's time, and the factor, learnt in those rounds, kept the gap — on the H100 at batch 32, T 1
-    on alpaca, AR steps took 2.19 ms (host 1.94) and the model read 2.64 (1.94 × 1.36) after 47 of
-    them, while speculative rounds, observed twice as often, had lost it (2.18 read for 2.62): it
-    speculated where AR steps were the faster. A prediction alone, scaled, kept the device's
-    differences between ks where the host's time hid them: on the H100 at batch 32 the host took
-    1.7–2.0 ms a round against the device's 1.3–1.5, the start-up costs read k = 3 at 1.5 ms and
-    k = 15 at 1.8, and the policy verified k = 3 or 7 in 76–87 % of the rounds at T 0 on alpaca,
-    τ 1.94 against fixed B's 2.00, at 0.89–0.98 of its speed. One host time for every k > 0, learnt from
-    the ks chosen, priced a shallow k as the deep ones: on the H100 at batch 32, T 1 on alpaca, a
-    process whose average came from rounds of k = 15 priced every k > 0 at 2.14 ms against AR's
-    1.96, though rounds of k = 3 cost its host 1.5, verified k = 15 in most speculative rounds and
-    ran 0.85 × AR; per k, twelve processes ran 0.94–1.13 × AR against 0.84–1.16 (BENCHMARKS).
-    """
-
-    def __init__(self, batch_sizes: Sequence[int], verify: dict[int, Sequence[float]],
-                 draft: Sequence[float] | None, *, context: int = 0, verify_slope: Sequence[float] | None = None,
-                 draft_slope: Sequence[float] | None = None, draft_rate: float = 0.1, wall_rate: float = 0.05,
-                 own_rate: float = 0.005):
-        self.batch_sizes = list(batch_sizes)
-        if self.batch_sizes != sorted(set(self.batch_sizes)) or not self.batch_sizes:
-            raise ValueError(f"batch sizes {batch_sizes} must be distinct and ascending")
-        for k, seconds in verify.items():
-            if len(seconds) != len(self.batch_sizes):
-                raise ValueError(f"verify costs of k={k}: {len(seconds)} values for {len(self.batch_sizes)} batch sizes")
-        # Timing noise must not make a larger batch or k look cheaper: running maxima both ways.
-        ks = sorted(verify)
-        by_k = {k: monotone(verify[k]) for k in ks}
-        by_size = [monotone([by_k[k][i] for k in ks]) for i in range(len(self.batch_sizes))]
-        self.verify = {k: [by_size[i][j] for i in range(len(self.batch_sizes))] for j, k in enumerate(ks)}
-        self.ks = tuple(ks)
-        self.measured_draft = draft is not None
-        self.draft = monotone(draft) if draft is not None else [0.0] * len(self.batch_sizes)
-        self.context = context
-        for name, slope in (("verify", verify_slope), ("draft", draft_slope)):
-            if slope is not None and len(slope) != len(self.batch_sizes):
-                raise ValueError(f"{name} slope: {len(slope)} values for {len(self.batch_sizes)} batch sizes")
-        self.verify_slope = monotone(verify_slope or [0.0] * len(self.batch_sizes))
-        self.draft_slope = monotone(draft_slope or [0.0] * len(self.batch_sizes))
-        self.draft_rate = draft_rate
-        # (k > 0, index of the nearest batch size) -> wall / predicted; (k, that index) -> host seconds a chained round
-        self.wall_factor = DriftingEstimates(rate=own_rate, drift_rate=wall_rate)
-        self.host = DriftingEstimates(rate=own_rate, drift_rate=wall_rate)
-        self._by_size: dict[int, tuple[int, dict[int, tuple[float, float]]]] = {}  # `_size_terms`
-
-    def _blend(self, n: int) -> tuple[int, int, float, float]:
-        """Where batch n falls among the measured sizes, as (i, j, w, scale): a value per size
-        interpolates to (values[i] + (values[j] − values[i]) · w) · scale — linear between the two
-        sizes around n (beyond the largest, along the last two), towards 0 below the smallest."""
-        sizes = self.batch_sizes
-        if n <= sizes[0] or len(sizes) == 1:
-            return 0, 0, 0.0, n / sizes[0] if n < sizes[0] else 1.0
-        at = min(bisect.bisect_left(sizes, n), len(sizes) - 1)
-        lo, hi = sizes[at - 1], sizes[at]
-        return at - 1, at, (n - lo) / (hi - lo), 1.0
-
-    @staticmethod
-    def _at(values: Sequence[float], blend: tuple[int, int, float, float]) -> float:
-        i, j, w, scale = blend
-        return (values[i] + (values[j] - values[i]) * w) * scale
-
-    def _interpolate(self, values: Sequence[float], n: int) -> float:
-        return self._at(values, self._blend(n))
-
-    def verify_seconds(self, n: int, k: int) -> float:
-        return self._interpolate(self.verify[k], n)
-
-    def draft_seconds(self, n: int) -> float:
-        return self._interpolate(self.draft, n)
-
-    def _size_terms(self, n: int) -> tuple[int, dict[int, tuple[float, float]]]:
-        """Batch n's nearest measured size index, and per k its forwards' seconds at the measured
-        context and their seconds per position of context: what every round at batch n shares,
-        computed once per batch size (bounded by the largest batch; a draft time learnt clears them)."""
-        terms = self._by_size.get(n)
-        if terms is None:
-            blend = self._blend(n)
-            draft, slope = self._at(self.draft, blend), self._at(self.verify_slope, blend)
-            draft_slope = self._at(self.draft_slope, blend)
-            terms = self.nearest(n), {k: (self._at(self.verify[k], blend) + (draft if k else 0.0),
-                                          slope + (draft_slope if k else 0.0)) for k in self.ks}
-            self._by_size[n] = terms
-        return terms
-
-    def _shift(self, context: float | None) -> float | None:
-        return None if context is None else context - self.context
-
-    @staticmethod
-    def _predicted(terms: tuple[float, float], shift: float | None) -> float:
-        seconds, slope = terms
-        return seconds if shift is None else max(seconds + slope * shift, 0.0)
-
-    def _host(self, k: int, at: int) -> float:
-        """The host's seconds a chained round of k at the measured size `at`: its own, else an AR
-        step's (0: none measured) — a k not yet chosen looks no dearer than an AR step, so it is tried."""
-        own = self.host.get((k, at))
-        return own if own is not None else self.host.get((0, at)) or 0.0
-
-    def predicted_seconds(self, n: int, k: int, context: float | None = None) -> float:
-        """A round's forwards at batch n verifying k drafts (no draft forward when k = 0), with
-        the sequences at mean position `context` (None: where they were measured)."""
-        return self._predicted(self._size_terms(n)[1][k], self._shift(context))
-
-    def round_seconds(self, n: int, k: int, context: float | None = None) -> float:
-        """The expected wall time of such a round: the prediction — or the host's time for such a
-        round where rounds overlap it and it is the longer — corrected by what rounds took."""
-        at, per_k = self._size_terms(n)
-        return max(self._host(k, at), self._predicted(per_k[k], self._shift(context))) * self._wall_factor(k > 0, at)
-
-    def round_seconds_by_k(self, n: int, context: float | None = None) -> list[tuple[int, float]]:
-        """(k, `round_seconds`) for every k bucket, ascending. The policy weighs them every round, on
-        the host's critical path: the batch's terms come once per batch size (`_size_terms`), each
-        kind's wall factor once a call (`dflash_serve.services.bench.policy`,
-        BENCHMARKS: asked k by k, the choice took about twice as long at batch 8)."""
-        at, per_k = self._size_terms(n)
-        shift = self._shift(context)
-        factors = self._wall_factor(False, at), self._wall_factor(True, at)
-        return [(k, max(self._host(k, at), self._predicted(per_k[k], shift)) * factors[k > 0]) for k in self.ks]
-
-    def observe_round(self, n: int, k: int, seconds: float, context: float | None = None,
-                      host_seconds: float = 0.0) -> None:
-        """A round at batch n verifying k drafts, at mean position `context`, added `seconds` of
-        wall time to the loop; `host_seconds`: the host's own time for it where the device ran the
-        next round meanwhile (chained rounds; 0: none given)."""
-        at = self.nearest(n)
-        key = (k > 0, at)
-        device = self.predicted_seconds(n, k, context)
-        if host_seconds > 0 and device > 0:
-            # From what the model used until now (an AR step's host time, or the device's
-            # prediction), so that one slow round (the first after start-up, a collection) cannot
-            # make a k look dear until the policy never tries it again.
-            self.host.observe((k, at), host_seconds, max(self._host(k, at), device))
-        # The wall time over the round's own bound: its own host time where given, not the moving
-        # average, which lags it, so that the factor does not count that lag on top of the host time.
-        bound = max(host_seconds if host_seconds > 0 else self._host(k, at), device)
-        if bound <= 0 or seconds <= 0:
-            return
-        self.wall_factor.observe(key, seconds / bound, self._wall_factor(*key))
-
-    def _wall_factor(self, speculative: bool, at: int) -> float:
-        """The factor of a kind of round at a size: its own, else the other kind's there up to 1."""
-        own = self.wall_factor.get((speculative, at))
-        other = self.wall_factor.get((not speculative, at))
-        return own if own is not None else min(1.0, 1.0 if other is None else other)
-
-    def nearest(self, n: int) -> int:
-        """The index of the measured batch size nearest n (the smaller on a tie)."""
-        sizes = self.batch_sizes
-        at = bisect.bisect_left(sizes, n)
-        if at == len(sizes) or (at > 0 and n - sizes[at - 1] <= sizes[at] - n):
-            return max(at - 1, 0)
-        return at
-
-    def observe_draft(self, n: int, seconds: float) -> None:
-        """A remote drafter's round at batch `n` took `seconds`: into the nearest measured size's
-        moving average (its first observation replaces the optimistic 0)."""
-        at = self.nearest(n)
-        scaled = seconds * self.batch_sizes[at] / n  # to that size, as if linear in n nearby
-        old = self.draft[at]
-        self.draft[at] = scaled if old == 0.0 else old + self.draft_rate * (scaled - old)
-        self._by_size.clear()  # their draft terms
-
-
-def time_call(run: Callable[[], None], sync: Callable[[], None], *, reps: int = 3, budget_s: float = 0.02,
-              warm_up: bool = True) -> float:
-    """Seconds one call of `run` takes: a warm-up, then the minimum over up to `reps` timed calls
-    (fewer when one takes longer than `budget_s`). The minimum, not the mean: on a shared CPU
-    other processes only ever add time, so the fastest call is the least disturbed."""
-    if warm_up:
-        run()
-        sync()
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-        if best > budget_s:
-            break
-    return best
-
-
-def context_slope(far: Sequence[float], near: Sequence[float], far_context: int, near_context: int) -> list[float]:
-    """Seconds per position of context, per batch size, from the same round timed at two
-    contexts. Never negative (timing noise), and never so steep that the line through `far`
-    would cost less than nothing at position 0."""
-    span = far_context - near_context
-    if span <= 0:
-        raise ValueError(f"contexts {near_context} and {far_context}: the far one must be larger")
-    return [min(max(0.0, (f - n) / span), f / far_context) for f, n in zip(far, near, strict=True)]
-
-
-def monotone(values: Sequence[float]) -> list[float]:
-    """Running maximum: a larger shape never costs less (removes timing noise that would make
-    the policy prefer a larger k or batch for being cheaper)."""
-    out, top = [], 0.0
-    for v in values:
-        top = max(top, v)
-        out.append(top)
-    return out
-
-
 class SpeculationPolicy:
     """Chooses each round's k (see the module doc).
 
@@ -519,21 +229,20 @@ class SpeculationPolicy:
     steps where probes took 1.5–2.4, and probes cost twice their budget.
     """
 
-    def __init__(self, config: EngineConfig, block_size: int, costs: RoundCosts | None = None,
-                 tracker: AcceptanceTracker | None = None, *, probe_interval: int = 8):
-        self.mode = config.speculation
-        # Only the adaptive choice reads what rounds teach (acceptance, round times, the batch's context).
-        self.adapts = self.mode == "adaptive"
+    def __init__(self, config: EngineConfig, block_size: int, costs: RoundCosts | None = None):
+        # adaptive, or fixed (B−1). Only the adaptive choice reads what rounds teach (acceptance, round times, the
+        # batch's context).
+        self.adapts = config.speculation == "adaptive"
         self.table = dict(config.num_speculative_tokens_per_batch_size)
         self.block_size = block_size
         self.ks = k_buckets(block_size, self.table)
         self.costs = costs
-        self._tracker = tracker or AcceptanceTracker(max(block_size - 1, 0))
+        self._tracker = AcceptanceTracker(max(block_size - 1, 0))
         self._realized = RealizedDrafts()
         # Rounds observed and not yet taken into the estimates, per k: {(verified, accepted): sequences}, and how many
         self._unseen: dict[int, Counter[tuple[int, int]]] = {}
         self._unseen_rounds: Counter[int] = Counter()
-        self.probe_interval = probe_interval
+        self.probe_interval = PROBE_INTERVAL
         self._ar_rounds = 0  # AR rounds chosen in a row by the adaptive policy
         self._prior = [self._tracker.prior] * len(self._tracker.acceptance)
         self._probe_k = 0  # the last probe's k
@@ -559,7 +268,7 @@ class SpeculationPolicy:
 
     def needs_costs(self) -> bool:
         """Whether some batch size is left to the adaptive policy (the table does not cover all)."""
-        return self.block_size > 1 and self.mode == "adaptive" and (not self.table or table_k(self.table, 1) is None)
+        return self.block_size > 1 and self.adapts and (not self.table or table_k(self.table, 1) is None)
 
     def choose(self, caps: Sequence[int | None], context: float | None = None) -> int:
         """k for a batch whose requests allow at most caps[i] drafts (None: no limit), at mean
@@ -575,7 +284,7 @@ class SpeculationPolicy:
         forced = table_k(self.table, n) if self.table else None
         if forced is not None:
             return self._bucket_at_most(min(forced, limit))
-        if self.mode == "fixed":
+        if not self.adapts:  # fixed
             return self._bucket_at_most(limit)
         if self.costs is None:
             raise RuntimeError("adaptive speculation has no round costs: call Engine.measure_round_costs() first")

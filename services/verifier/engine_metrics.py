@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from dflash_serve.services.engine.engine import RoundRecord
+from dflash_serve.services.engine.round import RoundRecord
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.metrics import FINISHED_REASONS
 

@@ -17,9 +17,10 @@ import types
 import pytest
 import torch
 
-from dflash_serve.services.engine.engine import COST_CONTEXT
+from dflash_serve.services.engine import prefill as prefill_module
+from dflash_serve.services.engine import round as round_module
+from dflash_serve.services.engine.round_costs import COST_CONTEXT, RoundCosts
 from dflash_serve.services.engine.sampling import SamplingParams
-from dflash_serve.services.engine.speculation import RoundCosts
 from tests.conftest import drafter_config, random_drafter
 from tests.engine.harness import (
     OracleProposer,
@@ -211,16 +212,20 @@ def test_forced_k_with_prefix_cache_hits_across_turns(pair):
     assert cached.allocator.num_free == cached.allocator.num_blocks
 
 
+def fake_perf_counter(monkeypatch, clock: list[float]) -> None:
+    """The engine's round and prefill timings read `clock[0]` for perf_counter (monotonic stays real)."""
+    fake = types.SimpleNamespace(perf_counter=lambda: clock[0], monotonic=time.monotonic)
+    for module in (round_module, prefill_module):
+        monkeypatch.setattr(module, "time", fake)
+
+
 def test_the_host_seconds_of_chained_rounds_reach_the_policy(pair, chain_rounds, monkeypatch):
     """A chained round's host time — its launch (choosing k takes 0.25 s on this fake clock) and
     its finish (committing takes 0.5 s) — goes to the policy with its wall time; a round that ran
     alone gives none (`RoundCosts`: the device waited for nothing the host did)."""
-    from dflash_serve.services.engine import engine as engine_module
-
     target, drafter = pair
     clock = [0.0]
-    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0],
-                                                                     monotonic=time.monotonic))
+    fake_perf_counter(monkeypatch, clock)
     # The adaptive policy, its k set by the table: only an adaptive policy is given round times.
     engine = build_engine(target, drafter=drafter, speculation="adaptive", spec_table={1: 3})
     choose_k, commit = engine._choose_k, engine._commit
@@ -263,12 +268,9 @@ def test_round_wall_times_hold_batch_changes_and_prefills_but_not_the_loops_wait
     prefill holds it; a round launched alone holds its own launch (and, chained, the next one's); the
     timings' sums are what the policy was given. A round still in flight when its only request
     ended is neither: the loop waited (10⁶ s here) before reading it."""
-    from dflash_serve.services.engine import engine as engine_module
-
     target, drafter = pair
     clock = [0.0]
-    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0],
-                                                                     monotonic=time.monotonic))
+    fake_perf_counter(monkeypatch, clock)
 
     def engine_on_the_clock(choose=None, max_num_seqs=8):
         engine = build_engine(target, drafter=drafter, speculation="adaptive", spec_table={1: 3},

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dflash_serve.services.engine.sampling import SamplingParams
-from dflash_serve.services.engine.speculation import RoundCosts
+from dflash_serve.services.engine.round_costs import RoundCosts
 from tests.engine import harness
 from tests.engine.harness import build_engine, hf_greedy
 from tests.engine.test_split_drafter import B, V, _remote_engine, pair  # noqa: F401 - pair: the fixture

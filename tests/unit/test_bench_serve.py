@@ -2,7 +2,7 @@
 arrivals; the embedded engine end to end (CLI and report files), closed and open loop; the gRPC
 load loop against a real in-process gRPC server hosting the real Router in front of a real
 (colocated) Verifier, without Ray; and the OpenAI backend against a small OpenAI-protocol HTTP
-server on a real socket (tests/openai_server.py). The engine's benchmark-only `synthetic_tau`
+server on a real socket (tests/openai_server.py). The engine's benchmark-only synthetic acceptance
 fixes every round's acceptance, so tau and per-position acceptance are known. Conversations
 (sharegpt-2turn) on all three backends: the second turn carries the first turn's answer as
 streamed and is sent only after it arrived; latencies per turn; prefix caching on and off.
@@ -29,29 +29,27 @@ from dflash_serve.services.bench.prompts import (
     load_conversations,
     random_prompts,
 )
+from dflash_serve.services.bench.load_generators import EmbeddedBackend, GrpcBackend, OpenAIBackend
+from dflash_serve.services.bench.report import comparison_lines, markdown_report
 from dflash_serve.services.bench.serve_bench import (
     PASS_SEED_STRIDE,
-    BenchSampling,
-    EmbeddedBackend,
-    GrpcBackend,
-    Load,
-    OpenAIBackend,
-    RequestRecord,
-    SpecCounters,
-    distribution_ms,
-    PrefixCacheCounters,
-    markdown_report,
-    parse_prefix_cache_counters,
-    parse_spec_counters,
-    comparison_lines,
     default_slices,
     run_bench,
     run_interleaved,
     slice_orders,
+)
+from dflash_serve.services.bench.summary import (
+    PrefixCacheCounters,
+    SpecCounters,
+    distribution_ms,
+    parse_prefix_cache_counters,
+    parse_spec_counters,
     summarize,
 )
+from dflash_serve.services.bench.workload import BenchSampling, Load, RequestRecord
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.loader import build_engine
+from dflash_serve.services.engine.synthetic_acceptance import SyntheticAcceptance
 from dflash_serve.services.router.auth import ApiKeys
 from dflash_serve.services.router.router import Router, RpcFailed
 from dflash_serve.services.verifier.verifier import Verifier
@@ -325,7 +323,7 @@ def test_embedded_runs_at_each_concurrency(model_pair):
 def test_embedded_open_loop_sends_each_request_no_earlier_than_its_arrival(model_pair):
     target, drafter = model_pair
     engine = build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=4, speculation="fixed"))
-    engine.synthetic_tau = 3.0
+    engine.synthetic = SyntheticAcceptance(3.0)
     load = Load(concurrency=2, request_rate=40.0, seed=7)
     start = time.perf_counter()
     records = EmbeddedBackend(engine).run(PROMPTS, SAMPLING, load)
@@ -588,7 +586,7 @@ def test_embedded_conversations_send_the_first_answer_with_caching_on_and_off(mo
 def test_embedded_conversations_report_latencies_per_turn(model_pair):
     target, drafter = model_pair
     engine = build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=4, speculation="fixed"))
-    engine.synthetic_tau = 3.0
+    engine.synthetic = SyntheticAcceptance(3.0)
     loads = [Load(2), Load(concurrency=2, request_rate=50.0)]
     runs = run_bench(EmbeddedBackend(engine), {"chat": CONVERSATIONS}, loads, SAMPLING, warmup=1, show_progress=False)
     for run in runs:

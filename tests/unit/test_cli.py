@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from dflash_serve.services.cli import main, run_until_stopped
+from dflash_serve.services.cli import main
+from dflash_serve.services.cli.serve import run_until_stopped
 from dflash_serve.services.models import save_drafter
 from tests.conftest import drafter_config, random_drafter
 from tests.targets import tiny_target

@@ -9,7 +9,9 @@ import pickle
 import pytest
 import yaml
 
-from dflash_serve.services.cli import _serve_config, build_parser, given_config_flags
+from dflash_serve.services.cli import build_parser
+from dflash_serve.services.cli.flags import given_config_flags
+from dflash_serve.services.cli.serve import _serve_config
 from dflash_serve.services.config import EngineConfig, ServeConfig
 
 BASE = {"engine": {"target": "t", "drafter": "d"}}

@@ -187,7 +187,7 @@ def test_on_a_gpu_the_kv_cache_holds_what_the_batch_can_use_within_its_share_of_
      "but this machine has 1"),
 ])
 def test_dflash_serve_lends_ray_one_replicas_gpus_with_its_drafters(raw, machine_gpus, lent, monkeypatch):
-    from dflash_serve.services.cli import _local_gpus
+    from dflash_serve.services.cli.serve import _local_gpus
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: machine_gpus)
     config = ServeConfig.from_dict(raw)

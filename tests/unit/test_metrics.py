@@ -76,7 +76,7 @@ def test_spec_decode_counters_count_verified_drafts_and_the_chosen_k():
     """A round that verified k=3 of the drafts, for a request that limits them to 2 and one that
     opted out: draft and acceptance counters see only what each request verified; k is observed
     once per round, an AR round's 0 too while a drafter serves."""
-    from dflash_serve.services.engine.engine import RoundRecord
+    from dflash_serve.services.engine.round import RoundRecord
 
     events, metrics, recorded = _engine_metrics()
     events.rounds([RoundRecord(3, [3, 2, 0], [3, 1, 0], 0.01, 0.02), RoundRecord(0, [0, 0], [0, 0], 0.0, 0.01)],

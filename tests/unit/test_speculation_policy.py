@@ -11,16 +11,14 @@ import statistics
 import pytest
 
 from dflash_serve.services.config import EngineConfig
+from dflash_serve.services.engine.round_costs import PRIOR_ROUNDS, RoundCosts, context_slope
 from dflash_serve.services.engine.speculation import (
-    PRIOR_ROUNDS,
     PROBE_BUDGET,
     PROBE_ROUNDS,
     WEIGH_ROUNDS,
     AcceptanceTracker,
     RealizedDrafts,
-    RoundCosts,
     SpeculationPolicy,
-    context_slope,
     expected_tokens,
     k_buckets,
     table_k,
