@@ -733,6 +733,43 @@ def test_rope_kv_write_triton_matches_reference(dtype, norms, tokens, heads, kv_
     assert flat(k_out)[untouched].isnan().all() and flat(v_out)[untouched].isnan().all()
 
 
+@runs_triton
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("layer", ["values_from_keys", "queries_only"])
+@pytest.mark.parametrize("tokens, heads, kv_heads, head_dim", [(1, 4, 1, 16), (13, 8, 2, 32), (3, 20, 4, 16)])
+def test_rope_kv_write_triton_matches_reference_on_gemma4_global_and_kv_shared_layers(dtype, layer, tokens, heads,
+                                                                                      kv_heads, head_dim):
+    """A k_eq_v layer's projection has no value heads (values are its raw keys, normed); a layer
+    reading an earlier layer's K/V projects queries only and writes nothing."""
+    from dflash_serve.kernels.rope_kv_write import rope_kv_write_reference, rope_kv_write_triton
+
+    qkv, positions, cos, sin, slots, k_cache, v_cache, (qw, kw) = rope_case(
+        tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=4, dtype=dtype, qk_norm=True)
+    qw, kw = qw.float(), kw.float()
+    kv_sets = 1 if layer == "values_from_keys" else 0
+    qkv = qkv[:, : (heads + kv_sets * kv_heads) * head_dim].contiguous()
+    caches = (k_cache, v_cache) if kv_sets else (None, None)
+    kwargs = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-6, scale_in_float32=True, v_norm=True,
+                  values_from_keys=bool(kv_sets))
+    ref_caches = [None if c is None else c.clone() for c in caches]
+    ref_q = rope_kv_write_reference(qkv, positions, cos, sin, slots, *ref_caches, q_norm_weight=qw,
+                                    k_norm_weight=kw, **kwargs)
+    moved = [None if t is None else t.to(DEVICE) for t in (qkv, positions, cos, sin, slots, *caches, qw, kw)]
+    q = rope_kv_write_triton(*moved[:7], q_norm_weight=moved[7], k_norm_weight=moved[8], **kwargs)
+    tolerance = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 4e-3}[dtype]
+    assert relative_error(q, ref_q) < tolerance
+    if kv_sets:
+        hk = qkv.view(tokens, -1, head_dim)[:, heads:]
+        for got, want in zip(moved[5:7], ref_caches, strict=True):
+            flat_got, flat_want = got.cpu().view(-1, kv_heads, head_dim), want.view(-1, kv_heads, head_dim)
+            assert relative_error(flat_got[slots], flat_want[slots]) < tolerance
+        # The values are the raw key heads RMS-normed without a weight, not rotated.
+        from dflash_serve.kernels.rms_norm import rms_norm_reference
+
+        expected_v = rms_norm_reference(hk, None, 1e-6, scale_in_float32=True)
+        assert relative_error(ref_caches[1].view(-1, kv_heads, head_dim)[slots], expected_v) < tolerance
+
+
 # -- argmax ---------------------------------------------------------------------------------------
 
 
