@@ -162,27 +162,124 @@ class BlockAllocator:
             self._free.append(block)
 
 
-@dataclass
-class KVPool:
-    """K and V of every layer of one model: [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
+@dataclass(frozen=True)
+class LayerKV:
+    """How one attention layer keeps its keys and values: its KV heads and head size, or the
+    earlier layer whose K/V it attends over (Gemma-4's `num_kv_shared_layers`: it stores none)."""
 
+    num_kv_heads: int
+    head_dim: int
+    reads_layer: int | None = None
+
+
+@dataclass
+class KVGroup:
+    """The stored K and V of the layers of one geometry: [len(layers), num_blocks, block_size,
+    num_kv_heads, head_dim] each."""
+
+    layers: tuple[int, ...]
     k: torch.Tensor
     v: torch.Tensor
+
+
+class KVPool:
+    """K and V of every layer of one model over one set of blocks.
+
+    Layers are grouped by geometry (KV heads, head size): a model whose layers all have one (Llama,
+    Qwen, the drafter) has one group; Gemma-4's sliding and global layers have two. Every group is
+    addressed by the same block ids, so one block table per sequence, one prefix cache and one
+    preemption serve them all. A layer that reads another's K/V (`LayerKV.reads_layer`) stores none.
+    """
+
+    def __init__(self, layout: Sequence[LayerKV], groups: Sequence[KVGroup]):
+        self.layout = tuple(layout)
+        self.groups = tuple(groups)
+        stored = {layer: (group, row) for group in self.groups for row, layer in enumerate(group.layers)}
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for index, spec in enumerate(self.layout):
+            owner = index if spec.reads_layer is None else spec.reads_layer
+            if owner not in stored or owner > index:
+                raise ValueError(f"layer {index} reads the K/V of layer {owner}, which stores none before it")
+            group, row = stored[owner]
+            if group.k.shape[-2:] != (spec.num_kv_heads, spec.head_dim):
+                raise ValueError(f"layer {index} has {spec.num_kv_heads} KV heads of {spec.head_dim}, "
+                                 f"but the K/V it reads has {tuple(group.k.shape[-2:])}")
+            self._caches.append((group.k[row], group.v[row]))
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str) -> KVPool:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        """A pool of `num_layers` layers of one geometry."""
+        return cls.allocate_layers([LayerKV(num_kv_heads, head_dim)] * num_layers, num_blocks, block_size, dtype,
+                                   device)
+
+    @classmethod
+    def allocate_layers(cls, layout: Sequence[LayerKV], num_blocks: int, block_size: int, dtype: torch.dtype,
+                        device: torch.device | str) -> KVPool:
+        groups = []
+        for (heads, dim), layers in _stored_by_geometry(layout).items():
+            shape = (len(layers), num_blocks, block_size, heads, dim)
+            groups.append(KVGroup(tuple(layers), torch.zeros(shape, dtype=dtype, device=device),
+                                  torch.zeros(shape, dtype=dtype, device=device)))
+        return cls(layout, groups)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return KVPool.layout_bytes_per_block([LayerKV(num_kv_heads, head_dim)] * num_layers, block_size, dtype)
+
+    @staticmethod
+    def layout_bytes_per_block(layout: Sequence[LayerKV], block_size: int, dtype: torch.dtype) -> int:
+        """What one block holds in every group (layers reading another's K/V add nothing)."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return sum(2 * len(layers) * block_size * heads * dim * element
+                   for (heads, dim), layers in _stored_by_geometry(layout).items())
+
+    @property
+    def num_blocks(self) -> int:
+        return self.groups[0].k.shape[1]
+
+    @property
+    def k(self) -> torch.Tensor:
+        """[num_layers, num_blocks, block_size, num_kv_heads, head_dim]: a pool of one group only."""
+        return self._single_group().k
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self._single_group().v
+
+    def _single_group(self) -> KVGroup:
+        group = self.groups[0]
+        if len(self.groups) != 1 or len(group.layers) != len(self.layout):
+            raise ValueError("this KV pool has layers of several geometries (or shared K/V): use layer(i) or groups")
+        return group
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s K and V caches [num_blocks, block_size, num_kv_heads, head_dim] (another
+        layer's, when it reads theirs)."""
+        return self._caches[index]
+
+    def stores(self, index: int) -> bool:
+        """Whether layer `index` writes K/V of its own (not when it reads an earlier layer's)."""
+        return self.layout[index].reads_layer is None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every stored K and V tensor, group by group."""
+        return [t for group in self.groups for t in (group.k, group.v)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values [T, num_kv_heads, head_dim] at flat slots [T]."""
-        self.k[layer].view(-1, *self.k.shape[-2:]).index_copy_(0, slots, k.to(self.k.dtype))
-        self.v[layer].view(-1, *self.v.shape[-2:]).index_copy_(0, slots, v.to(self.v.dtype))
+        k_cache, v_cache = self.layer(layer)
+        k_cache.view(-1, *k_cache.shape[-2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[-2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def _stored_by_geometry(layout: Sequence[LayerKV]) -> dict[tuple[int, int], list[int]]:
+    """(KV heads, head size) -> the layers of that geometry that store K/V, in order."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for index, spec in enumerate(layout):
+        if spec.reads_layer is None:
+            groups.setdefault((spec.num_kv_heads, spec.head_dim), []).append(index)
+    return groups
 
 
 @dataclass

@@ -128,8 +128,8 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
     blocks, is counted in the sizing when it lives on this GPU (`remote_drafter_kv_here`), not
     when the drafter has a GPU of its own."""
     device, dtype = target.device, target.dtype
-    t_layers, t_heads, t_dim = TargetRunner.kv_shape(target)
-    per_block = KVPool.bytes_per_block(t_layers, config.kv_block_size, t_heads, t_dim, dtype)
+    t_layout = TargetRunner.kv_layout(target)
+    per_block = KVPool.layout_bytes_per_block(t_layout, config.kv_block_size, dtype)
     draft_cfg = drafter.config if drafter is not None else remote_drafter
     if draft_cfg is not None:
         d_layers, d_heads, d_dim = DraftRunner.kv_shape(draft_cfg)
@@ -147,7 +147,7 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
     if blocks <= scratch:
         raise ValueError(f"num_kv_blocks={blocks} is too small; need more than {scratch}")
     allocator = BlockAllocator(blocks - scratch, config.kv_block_size)
-    pool = KVPool.allocate(t_layers, blocks, config.kv_block_size, t_heads, t_dim, dtype, device)
+    pool = KVPool.allocate_layers(t_layout, blocks, config.kv_block_size, dtype, device)
     # A round chained after one not yet read may start a whole block further on (Engine.step).
     max_positions = max_len + 2 * lookahead
     runner = target_runner(config.target_impl, target, pool, max_positions=max_positions)

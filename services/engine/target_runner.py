@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from dflash_serve.kernels import paged_attention, rms_norm
-from dflash_serve.services.engine.kv_cache import AttentionBatch, KVPool
+from dflash_serve.services.engine.kv_cache import AttentionBatch, KVPool, LayerKV
 from dflash_serve.services.models.target import TargetModel
 
 ATTENTION_NAME = "dflash_paged"
@@ -43,12 +43,16 @@ def _paged_attention_forward(
     if softcap:
         raise ValueError("attention logit softcapping (Gemma-2) is not supported by the paged kernel")
     layer = module.layer_idx
-    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    paged_pool.write(layer, paged_batch.slot_mapping, k, v)
+    q = query[0].transpose(0, 1)
+    # A layer reading an earlier layer's K/V (Gemma-4 KV sharing) gets that layer's keys here; they
+    # are in the pool already.
+    if paged_pool.stores(layer):
+        paged_pool.write(layer, paged_batch.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    k_cache, v_cache = paged_pool.layer(layer)
     out = paged_attention(
         q,
-        paged_pool.k[layer],
-        paged_pool.v[layer],
+        k_cache,
+        v_cache,
         paged_batch.block_tables,
         paged_batch.seq_lens,
         paged_batch.query_start,
@@ -79,6 +83,15 @@ def fuse_rms_norms(model: nn.Module) -> int:
     return fused
 
 
+def _kv_source(target: TargetModel, index: int, layer: nn.Module) -> int | None:
+    """For a Gemma-4 KV-shared layer: the last earlier layer of its type that computes K/V
+    (transformers' "store" layer), whose K/V it attends over; None for every other layer."""
+    if not getattr(layer.self_attn, "is_kv_shared_layer", False):
+        return None
+    modes, types = target.config.kv_sharing_modes, target.config.layer_types
+    return next(i for i in range(index - 1, -1, -1) if modes[i] == "store" and types[i] == types[index])
+
+
 class TargetRunner:
     """Runs a `TargetModel` over packed tokens with its KV in a `KVPool`."""
 
@@ -95,12 +108,20 @@ class TargetRunner:
         self._configs = {id(c): c for c in (model.config, model.config.get_text_config())}.values()
 
     @staticmethod
-    def kv_shape(target: TargetModel) -> tuple[int, int, int]:
-        """(layers, kv heads, head dim) of the target's cache."""
+    def kv_layout(target: TargetModel) -> list[LayerKV]:
+        """Each decoder layer's K/V geometry, from its own resolved config (Gemma-4's global
+        layers have their own head size and KV heads), and the earlier layer whose K/V a layer
+        reads when it computes none (Gemma-4's `num_kv_shared_layers`)."""
         cfg = target.config
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        return target.num_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
+        per_layer = cfg.per_layer_config if cfg.num_hidden_layers == target.num_layers else [cfg] * target.num_layers
+        layout = []
+        for index, layer in enumerate(target.layers):
+            layer_cfg = per_layer[index]
+            heads = layer_cfg.num_attention_heads
+            head_dim = getattr(layer_cfg, "head_dim", None) or layer_cfg.hidden_size // heads
+            kv_heads = getattr(layer_cfg, "num_key_value_heads", None) or heads
+            layout.append(LayerKV(kv_heads, head_dim, reads_layer=_kv_source(target, index, layer)))
+        return layout
 
     @torch.inference_mode()
     def forward(

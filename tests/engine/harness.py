@@ -33,8 +33,7 @@ def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = Non
     through `PrefillGraphs`' padded forward (run eagerly here), the last KV block its scratch block."""
     layer_ids = drafter.config.target_layer_ids if drafter is not None else getattr(proposer, "target_layer_ids", ())
     target = TargetModel(model, layer_ids)
-    t_layers, t_heads, t_dim = TargetRunner.kv_shape(target)
-    pool = KVPool.allocate(t_layers, num_blocks, kv_block_size, t_heads, t_dim, model.dtype, "cpu")
+    pool = KVPool.allocate_layers(TargetRunner.kv_layout(target), num_blocks, kv_block_size, model.dtype, "cpu")
     max_positions = max_model_len + 64
     runner = target_runner(TARGET_IMPL, target, pool, max_positions=max_positions)
     if drafter is not None:
@@ -136,11 +135,11 @@ def assert_draft_context_is_committed_rows(runner: DraftRunner, seq, kv_block_si
 
 
 def _slot_rows(pool: KVPool, slots: torch.Tensor) -> list[torch.Tensor]:
-    return [cache.view(-1, *cache.shape[-2:])[slots].clone() for layers in (pool.k, pool.v) for cache in layers]
+    return [cache.view(-1, *cache.shape[-2:])[slots].clone() for layers in pool.tensors() for cache in layers]
 
 
 def _zero_slots(pool: KVPool, slots: torch.Tensor) -> None:
-    for layers in (pool.k, pool.v):
+    for layers in pool.tensors():
         for cache in layers:
             cache.view(-1, *cache.shape[-2:])[slots] = 0
 

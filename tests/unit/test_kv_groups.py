@@ -1,0 +1,55 @@
+"""A KV pool of several layer geometries: one group per (KV heads, head size), all over the same
+block ids; layers that read an earlier layer's K/V store none."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_serve.services.engine.kv_cache import KVPool, LayerKV
+
+SLIDING, GLOBAL = LayerKV(16, 256), LayerKV(4, 512)  # gemma-4-31B's two geometries
+
+
+def test_layers_are_grouped_by_geometry_over_the_same_blocks():
+    layout = [SLIDING, SLIDING, GLOBAL, SLIDING, GLOBAL]
+    pool = KVPool.allocate_layers([LayerKV(s.num_kv_heads // 4, s.head_dim // 32) for s in layout], 7, 4,
+                                  torch.float32, "cpu")
+    assert [g.layers for g in pool.groups] == [(0, 1, 3), (2, 4)]
+    assert [tuple(g.k.shape) for g in pool.groups] == [(3, 7, 4, 4, 8), (2, 7, 4, 1, 16)]
+    assert pool.num_blocks == 7
+    k3, v3 = pool.layer(3)
+    assert k3.data_ptr() == pool.groups[0].k[2].data_ptr() and v3.data_ptr() == pool.groups[0].v[2].data_ptr()
+    with pytest.raises(ValueError, match="several geometries"):
+        pool.k  # noqa: B018 - one tensor for all layers exists only for a pool of one geometry
+    # A write lands in the layer's own group, at the flat slot of (block, offset).
+    pool.write(4, torch.tensor([9]), torch.ones(1, 1, 16), torch.full((1, 1, 16), 2.0))
+    assert torch.equal(pool.groups[1].k[1, 2, 1], torch.ones(1, 16))
+    assert pool.groups[0].k.abs().sum() == 0 and pool.groups[1].k[0].abs().sum() == 0
+
+
+def test_bytes_per_block_count_each_groups_own_geometry():
+    assert KVPool.layout_bytes_per_block([SLIDING] * 50 + [GLOBAL] * 10, 16, torch.bfloat16) == (
+        2 * 16 * 2 * (50 * 16 * 256 + 10 * 4 * 512))
+    assert KVPool.layout_bytes_per_block([SLIDING] * 3, 16, torch.bfloat16) == KVPool.bytes_per_block(
+        3, 16, 16, 256, torch.bfloat16)
+
+
+def test_a_layer_reading_an_earlier_layers_kv_allocates_none_and_sees_its_cache():
+    sliding, full = LayerKV(2, 8), LayerKV(1, 16)
+    layout = [sliding, full, sliding, LayerKV(2, 8, reads_layer=2), LayerKV(1, 16, reads_layer=1)]
+    pool = KVPool.allocate_layers(layout, 5, 4, torch.float32, "cpu")
+    assert [g.layers for g in pool.groups] == [(0, 2), (1,)]
+    assert not pool.stores(3) and pool.stores(2)
+    assert pool.layer(3)[0].data_ptr() == pool.layer(2)[0].data_ptr()
+    assert pool.layer(4)[1].data_ptr() == pool.layer(1)[1].data_ptr()
+    assert KVPool.layout_bytes_per_block(layout, 4, torch.float32) == 2 * 4 * 4 * (2 * 2 * 8 + 16)
+
+
+@pytest.mark.parametrize("layout, message", [
+    ([LayerKV(2, 8, reads_layer=1), LayerKV(2, 8)], "reads the K/V of layer 1, which stores none before it"),
+    ([LayerKV(2, 8), LayerKV(1, 16, reads_layer=0)], "has 1 KV heads of 16, but the K/V it reads has"),
+])
+def test_a_layout_reading_kv_that_is_not_there_is_refused(layout, message):
+    with pytest.raises(ValueError, match=message):
+        KVPool.allocate_layers(layout, 2, 4, torch.float32, "cpu")
