@@ -19,7 +19,7 @@ from dflash_serve.services.engine.kv_cache import BlockAllocator, KVPool
 from dflash_serve.services.engine.prefill_graphs import CHUNK_BUCKETS, TOKEN_BUCKETS, PrefillGraphs
 from dflash_serve.services.engine.round_cost_cache import NOT_IN_KEY, RoundCostCache, machine, model_shape
 from dflash_serve.services.engine.speculation import k_buckets
-from dflash_serve.services.engine.target_runner import TargetRunner
+from dflash_serve.services.engine.target_runner import TargetRunner, unservable_reason
 from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel, load_drafter
 from dflash_serve.services.models.default_pair import cache_dir
 
@@ -90,6 +90,9 @@ def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions
                   ) -> TargetRunner | FusedTargetRunner:
     """The target's forward for `EngineConfig.target_impl`; auto takes the fused one where it applies."""
     name = type(target.model).__name__
+    reason = unservable_reason(target)
+    if reason is not None:
+        raise ValueError(f"{name} cannot be served: {reason}")
     if impl == "transformers":
         log.info("target forward: transformers layer code for %s (target_impl=transformers)", name)
         return TargetRunner(target, pool)

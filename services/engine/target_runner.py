@@ -83,6 +83,32 @@ def fuse_rms_norms(model: nn.Module) -> int:
     return fused
 
 
+# Layer types whose state is K/V the paged cache holds (all of it, or what a sliding window sees).
+PAGED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def unservable_reason(target: TargetModel) -> str | None:
+    """Why neither target forward computes this target as transformers does — the config field
+    and what would serve it — or None."""
+    cfg = target.config
+    softcap = getattr(cfg, "attn_logit_softcapping", None)
+    if softcap:
+        return (f"attn_logit_softcapping={softcap}: the paged attention kernel has no softcap of the scores "
+                "(serving it needs one in dflash_serve.kernels.paged_attention)")
+    if getattr(cfg, "use_bidirectional_attention", None) == "all":
+        return ("use_bidirectional_attention='all': text tokens attend to later ones, which neither decoding nor "
+                "verifying a block can compute (serve a checkpoint with causal text attention)")
+    other = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(PAGED_LAYER_TYPES))
+    if other:
+        return (f"layer_types has {', '.join(other)}: only full and sliding-window attention keep their state in "
+                "the paged KV cache; other layers need a state cache rolled back to the accepted prefix after "
+                "each verify (dflash-spec §1.9)")
+    if any(hasattr(layer.self_attn, "sinks") for layer in target.layers):
+        return ("attention sinks (a learnt `sinks` logit per head, gpt-oss): the paged attention kernel has none "
+                "(serving it needs one in dflash_serve.kernels.paged_attention)")
+    return None
+
+
 def _kv_source(target: TargetModel, index: int, layer: nn.Module) -> int | None:
     """For a Gemma-4 KV-shared layer: the last earlier layer of its type that computes K/V
     (transformers' "store" layer), whose K/V it attends over; None for every other layer."""
@@ -99,8 +125,9 @@ class TargetRunner:
         self.target = target
         self.pool = pool
         model = target.model
-        if getattr(target.config, "attn_logit_softcapping", None):
-            raise ValueError(f"{type(model).__name__}: attention logit softcapping is not supported")
+        reason = unservable_reason(target)
+        if reason is not None:
+            raise ValueError(f"{type(model).__name__} cannot be served: {reason}")
         if target.device.type == "cuda":
             fuse_rms_norms(model)
         # The HF model stays usable as it was (plain forwards, training): our attention is switched
