@@ -39,8 +39,10 @@ def rope_kv_write(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, *, n
     weight (Gemma-4).
 
     `values_from_keys` (Gemma-4's `attention_k_eq_v`): qkv is [T, (H + KV)·D] and the values are
-    the key projection's raw heads (normed as values, not rotated). k_cache and v_cache None: qkv
-    holds queries only (a layer reading an earlier layer's K/V) and nothing is written."""
+    the key projection's raw heads (normed as values, not rotated); with k_cache None only they are
+    written (the attention derives each key from its value: `paged_attention(keys_from_values=…)`).
+    k_cache and v_cache None: qkv holds queries only (a layer reading an earlier layer's K/V) and
+    nothing is written."""
     args = (qkv, positions, cos, sin, slot_mapping, k_cache, v_cache)
     kwargs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, q_norm_weight=q_norm_weight,
                   k_norm_weight=k_norm_weight, eps=eps, scale_in_float32=scale_in_float32, v_norm=v_norm,
@@ -56,15 +58,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-second, first], dim=-1)
 
 
-def _kv_head_sets(k_cache, values_from_keys: bool) -> int:
+def _kv_head_sets(v_cache, values_from_keys: bool) -> int:
     """How many sets of KV heads follow the query heads in qkv: k and v, k alone, or none."""
-    return 0 if k_cache is None else 1 if values_from_keys else 2
+    return 0 if v_cache is None else 1 if values_from_keys else 2
 
 
 def rope_kv_write_reference(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, *, num_heads, num_kv_heads,
                             q_norm_weight=None, k_norm_weight=None, eps=0.0, scale_in_float32=False,
                             v_norm=False, values_from_keys=False) -> torch.Tensor:
-    head_dim = qkv.shape[1] // (num_heads + _kv_head_sets(k_cache, values_from_keys) * num_kv_heads)
+    head_dim = qkv.shape[1] // (num_heads + _kv_head_sets(v_cache, values_from_keys) * num_kv_heads)
     heads = qkv.view(qkv.shape[0], -1, head_dim)
     q = heads[:, :num_heads]
     if q_norm_weight is not None:
@@ -73,17 +75,18 @@ def rope_kv_write_reference(qkv, positions, cos, sin, slot_mapping, k_cache, v_c
     s = sin[positions].to(q.dtype)
     c, s = torch.cat([c, c], dim=-1)[:, None], torch.cat([s, s], dim=-1)[:, None]
     q = q * c + _rotate_half(q) * s
-    if k_cache is None:
+    if v_cache is None:
         return q.contiguous()
     k = heads[:, num_heads:num_heads + num_kv_heads]
     v = k if values_from_keys else heads[:, num_heads + num_kv_heads:]
-    if k_norm_weight is not None:
-        k = rms_norm_reference(k, k_norm_weight, eps, scale_in_float32=scale_in_float32)
     if v_norm:
         v = rms_norm_reference(v, None, eps, scale_in_float32=True)
-    k = k * c + _rotate_half(k) * s
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if k_cache is not None:
+        if k_norm_weight is not None:
+            k = rms_norm_reference(k, k_norm_weight, eps, scale_in_float32=scale_in_float32)
+        k = k * c + _rotate_half(k) * s
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     return q.contiguous()
 
 
@@ -101,14 +104,18 @@ def rope_kv_write_triton(qkv, positions, cos, sin, slot_mapping, k_cache, v_cach
     """One program per (token, tile of HEADS_PER_PROGRAM heads) over the q, then k, then v heads
     (the v heads read the k heads' rows when `values_from_keys`)."""
     num_tokens = qkv.shape[0]
-    if k_cache is None:  # queries only: no KV head is a row of the grid, the cache pointers are never stored to
+    if v_cache is None:  # queries only: no KV head is a row of the grid, the cache pointers are never stored to
         num_kv_heads = 0
-    head_dim = qkv.shape[1] // (num_heads + _kv_head_sets(k_cache, values_from_keys) * num_kv_heads)
-    assert qkv.shape[1] == (num_heads + _kv_head_sets(k_cache, values_from_keys) * num_kv_heads) * head_dim
+    head_dim = qkv.shape[1] // (num_heads + _kv_head_sets(v_cache, values_from_keys) * num_kv_heads)
+    assert qkv.shape[1] == (num_heads + _kv_head_sets(v_cache, values_from_keys) * num_kv_heads) * head_dim
     assert qkv.stride(1) == 1 and head_dim % 2 == 0
+    assert k_cache is not None or v_cache is None or values_from_keys, "values alone are written only from keys"
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    write_keys = k_cache is not None
+    if v_cache is None:
+        v_cache = q
     if k_cache is None:
-        k_cache = v_cache = q
+        k_cache = v_cache
     assert k_cache.shape[-1] == head_dim and k_cache.shape == v_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert cos.stride(1) == 1 and sin.stride(1) == 1 and cos.dtype == sin.dtype == qkv.dtype
@@ -124,7 +131,7 @@ def rope_kv_write_triton(qkv, positions, cos, sin, slot_mapping, k_cache, v_cach
         qkv.stride(0), cos.stride(0), sin.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, HAS_Q_NORM=has_q_norm, HAS_K_NORM=has_k_norm,
-        HAS_V_NORM=v_norm, SCALE_IN_FLOAT32=scale_in_float32, VALUES_FROM_KEYS=values_from_keys, num_warps=max(1, min(4, block_heads * block_half // 256)),
+        HAS_V_NORM=v_norm, SCALE_IN_FLOAT32=scale_in_float32, VALUES_FROM_KEYS=values_from_keys, WRITE_KEYS=write_keys, num_warps=max(1, min(4, block_heads * block_half // 256)),
     )
     return q
 
@@ -158,6 +165,7 @@ if triton is not None:
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
         HAS_V_NORM: tl.constexpr, SCALE_IN_FLOAT32: tl.constexpr, VALUES_FROM_KEYS: tl.constexpr,
+        WRITE_KEYS: tl.constexpr,
     ):
         HALF: tl.constexpr = HEAD_DIM // 2
         token = tl.program_id(0).to(tl.int64)
@@ -209,7 +217,8 @@ if triton is not None:
         q_mask, k_mask, v_mask = mask & is_q[:, None], mask & is_k[:, None], mask & is_v[:, None]
         tl.store(q_dst, out_first, mask=q_mask)
         tl.store(q_dst + HALF, out_second, mask=q_mask)
-        tl.store(k_dst, out_first, mask=k_mask)
-        tl.store(k_dst + HALF, out_second, mask=k_mask)
+        if WRITE_KEYS:  # not where the attention derives the keys from the values
+            tl.store(k_dst, out_first, mask=k_mask)
+            tl.store(k_dst + HALF, out_second, mask=k_mask)
         tl.store(v_dst, out_first, mask=v_mask)
         tl.store(v_dst + HALF, out_second, mask=v_mask)
