@@ -19,7 +19,7 @@ The layer count of launches is the same nine. Gemma-4's layers add: a value norm
 launch as q/k norms and RoPE); global layers of their own head size and KV heads (their K/V in
 their own group of the pool), rotating part of the head (proportional RoPE: zero frequencies for
 the rest), and with `attention_k_eq_v` no value projection (the values are the key projection's
-raw heads, normed); KV-shared layers that project queries only and attend over an earlier layer's
+raw heads, normed, and the cache holds them alone: the attention derives each key from its value); KV-shared layers that project queries only and attend over an earlier layer's
 K/V; and, where a checkpoint has them, a per-layer input (E2B/E4B) and an output scale
 (`layer_scalar`), which add and scale the residual before the next norm (two launches more).
 
@@ -71,13 +71,29 @@ def fused_unsupported_reason(target: TargetModel) -> str | None:
     elif getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r} (the fused MLP is SiLU·mul)"
     rotary = _text_model(target).rotary_emb
-    for layer, layer_type in zip(target.layers, _layer_types(target), strict=True):
+    for layer, layer_type in zip(target.layers, layer_rope_kinds(target), strict=True):
         inv_freq, _, rope_type = _rope_parameters(rotary, layer_type if gemma else None)
         if rope_type not in STATIC_ROPE_TYPES:
             return f"RoPE type {rope_type!r} is not one of {', '.join(STATIC_ROPE_TYPES)}"
         if 2 * inv_freq.numel() != layer.self_attn.head_dim:
             return "partial rotary embedding (of fewer frequencies than the head has pairs)"
     return None
+
+
+def rope_tables(target: TargetModel, max_positions: int) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+    """The target's cos/sin tables [max_positions, D/2] by layer type (Gemma: sliding and global
+    layers rotate with their own; None: one table for all layers), exactly as transformers computes
+    them: the float32 product of position and inverse frequency, times the attention scaling,
+    cast to the model dtype."""
+    rotary = _text_model(target).rotary_emb
+    positions = torch.arange(max_positions, device=target.device, dtype=torch.float32)
+    tables = {}
+    for kind in dict.fromkeys(layer_rope_kinds(target)):
+        inv_freq, scale, _ = _rope_parameters(rotary, kind)
+        freqs = positions[:, None] * inv_freq.to(device=target.device, dtype=torch.float32)[None, :]
+        tables[kind] = ((freqs.cos() * scale).to(target.dtype).contiguous(),
+                        (freqs.sin() * scale).to(target.dtype).contiguous())
+    return tables
 
 
 def _gemma_unsupported_reason(target: TargetModel) -> str | None:
@@ -112,7 +128,7 @@ def _text_model(target: TargetModel) -> nn.Module:
     raise ValueError(f"{type(target.model).__name__}: cannot find the module holding its decoder layers")
 
 
-def _layer_types(target: TargetModel) -> list[str | None]:
+def layer_rope_kinds(target: TargetModel) -> list[str | None]:
     """Each layer's RoPE table key: Gemma's layer type (sliding or global), else one table for all."""
     if target.config.model_type in GEMMA_FAMILIES:
         return [layer.self_attn.layer_type for layer in target.layers]
@@ -179,6 +195,8 @@ class FusedLayer:
     v_norm: bool = False  # Gemma-4 RMS-normalizes values (no weight)
     num_kv_heads: int | None = None  # the layer's own (Gemma-4 global layers); None: the stack's
     values_from_keys: bool = False  # Gemma-4 `attention_k_eq_v`: no value projection, V is K's raw projection
+    # (key norm weight, cos, sin) where the cache keeps values only and the keys are derived from them
+    keys_from_values: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     layer_scalar: torch.Tensor | None = None  # Gemma-4: the layer's output residual is scaled by it
     per_layer_input: PerLayerInput | None = None  # Gemma-4 E2B/E4B
 
@@ -343,7 +361,7 @@ class FusedStack:
                           scale_in_float32=self.gemma, v_norm=layer.v_norm, values_from_keys=layer.values_from_keys)
         attn = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start,
                                scale=layer.scaling, causal=layer.causal, window=layer.window,
-                               max_query_len=batch.max_query_len)
+                               max_query_len=batch.max_query_len, keys_from_values=layer.keys_from_values)
         return layer.o(attn.view(attn.shape[0], -1))
 
     def _mlp(self, layer: FusedLayer, x: torch.Tensor) -> torch.Tensor:
@@ -363,19 +381,24 @@ class FusedTargetRunner:
         text_model = _text_model(target)
         gemma = cfg.model_type in GEMMA_FAMILIES
         # One cos/sin table per layer type (Gemma: sliding layers rotate with a local base), shared.
-        tables = {kind: self._rope_table(text_model.rotary_emb, kind, max_positions, target.dtype, target.device)
-                  for kind in dict.fromkeys(_layer_types(target))}
+        tables = rope_tables(target, max_positions)
         kv_heads = [spec.num_kv_heads for spec in pool.layout]
         with torch.no_grad():
             if gemma:
                 layers = [FusedLayer.from_gemma_layer(layer, rope=tables[kind], num_kv_heads=heads)
-                          for layer, kind, heads in zip(target.layers, _layer_types(target), kv_heads, strict=True)]
+                          for layer, kind, heads in zip(target.layers, layer_rope_kinds(target), kv_heads, strict=True)]
                 final_norm = _gemma_norm_weight(text_model.norm)
             else:
                 layers = [FusedLayer.from_layer(layer, scaling=float(layer.self_attn.scaling), rope=tables[None],
                                                 window=getattr(layer.self_attn, "sliding_window", None))
                           for layer in target.layers]
                 final_norm = text_model.norm.weight.detach()
+        # A layer whose keys the cache derives from its values (k_eq_v; or one reading such a
+        # layer's K/V) attends with the storing layer's key norm and its own RoPE table.
+        for index, (layer, spec) in enumerate(zip(layers, pool.layout, strict=True)):
+            if spec.keys_from_values:
+                owner = index if spec.reads_layer is None else spec.reads_layer
+                layer.keys_from_values = (layers[owner].k_norm, *layer.rope)
         self.stack = FusedStack(layers, final_norm, pool, cfg.num_attention_heads, kv_heads[0],
                                 float(cfg.rms_norm_eps), gemma=gemma)
         # Gemma-4 E2B/E4B: the per-layer inputs are computed once per forward by the model's own
@@ -384,16 +407,6 @@ class FusedTargetRunner:
         self.capture: dict[int, list[int]] = {}  # layer -> its feature slots (a layer may be listed twice)
         for slot, k in enumerate(target.layer_ids):
             self.capture.setdefault(k, []).append(slot)
-
-    @staticmethod
-    def _rope_table(rotary: nn.Module, layer_type: str | None, max_positions: int, dtype: torch.dtype,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [max_positions, D/2] exactly as transformers computes them (float32 product of
-        position and inverse frequency, times the attention scaling, cast to the model dtype)."""
-        inv_freq, scale, _ = _rope_parameters(rotary, layer_type)
-        positions = torch.arange(max_positions, device=device, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq.to(device=device, dtype=torch.float32)[None, :]
-        return (freqs.cos() * scale).to(dtype).contiguous(), (freqs.sin() * scale).to(dtype).contiguous()
 
     @torch.inference_mode()
     def forward(

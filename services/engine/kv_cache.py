@@ -164,31 +164,35 @@ class BlockAllocator:
 
 @dataclass(frozen=True)
 class LayerKV:
-    """How one attention layer keeps its keys and values: its KV heads and head size, or the
-    earlier layer whose K/V it attends over (Gemma-4's `num_kv_shared_layers`: it stores none)."""
+    """How one attention layer keeps its keys and values: its KV heads and head size; whether it
+    stores its values only, its keys being derived from them as they are read (Gemma-4's
+    `attention_k_eq_v`: one projection gives both); or the earlier layer whose K/V it attends
+    over (Gemma-4's `num_kv_shared_layers`: it stores none)."""
 
     num_kv_heads: int
     head_dim: int
     reads_layer: int | None = None
+    keys_from_values: bool = False
 
 
 @dataclass
 class KVGroup:
     """The stored K and V of the layers of one geometry: [len(layers), num_blocks, block_size,
-    num_kv_heads, head_dim] each."""
+    num_kv_heads, head_dim] each; no K for layers whose keys are derived from their values."""
 
     layers: tuple[int, ...]
-    k: torch.Tensor
+    k: torch.Tensor | None
     v: torch.Tensor
 
 
 class KVPool:
     """K and V of every layer of one model over one set of blocks.
 
-    Layers are grouped by geometry (KV heads, head size): a model whose layers all have one (Llama,
-    Qwen, the drafter) has one group; Gemma-4's sliding and global layers have two. Every group is
-    addressed by the same block ids, so one block table per sequence, one prefix cache and one
-    preemption serve them all. A layer that reads another's K/V (`LayerKV.reads_layer`) stores none.
+    Layers are grouped by geometry (KV heads, head size, keys stored or derived): a model whose
+    layers all have one (Llama, Qwen, the drafter) has one group; Gemma-4's sliding and global
+    layers have two. Every group is addressed by the same block ids, so one block table per
+    sequence, one prefix cache and one preemption serve them all. A layer that reads another's K/V
+    (`LayerKV.reads_layer`) stores none; one whose keys are derived from its values stores V alone.
     """
 
     def __init__(self, layout: Sequence[LayerKV], groups: Sequence[KVGroup]):
@@ -201,10 +205,11 @@ class KVPool:
             if owner not in stored or owner > index:
                 raise ValueError(f"layer {index} reads the K/V of layer {owner}, which stores none before it")
             group, row = stored[owner]
-            if group.k.shape[-2:] != (spec.num_kv_heads, spec.head_dim):
+            if group.v.shape[-2:] != (spec.num_kv_heads, spec.head_dim) or (group.k is None) != spec.keys_from_values:
                 raise ValueError(f"layer {index} has {spec.num_kv_heads} KV heads of {spec.head_dim}, "
-                                 f"but the K/V it reads has {tuple(group.k.shape[-2:])}")
-            self._caches.append((group.k[row], group.v[row]))
+                                 f"but the K/V it reads has {tuple(group.v.shape[-2:])}"
+                                 f"{' and no keys' if group.k is None else ''}")
+            self._caches.append((None if group.k is None else group.k[row], group.v[row]))
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -217,10 +222,10 @@ class KVPool:
     def allocate_layers(cls, layout: Sequence[LayerKV], num_blocks: int, block_size: int, dtype: torch.dtype,
                         device: torch.device | str) -> KVPool:
         groups = []
-        for (heads, dim), layers in _stored_by_geometry(layout).items():
+        for (heads, dim, derived_keys), layers in _stored_by_geometry(layout).items():
             shape = (len(layers), num_blocks, block_size, heads, dim)
-            groups.append(KVGroup(tuple(layers), torch.zeros(shape, dtype=dtype, device=device),
-                                  torch.zeros(shape, dtype=dtype, device=device)))
+            k = None if derived_keys else torch.zeros(shape, dtype=dtype, device=device)
+            groups.append(KVGroup(tuple(layers), k, torch.zeros(shape, dtype=dtype, device=device)))
         return cls(layout, groups)
 
     @staticmethod
@@ -229,14 +234,15 @@ class KVPool:
 
     @staticmethod
     def layout_bytes_per_block(layout: Sequence[LayerKV], block_size: int, dtype: torch.dtype) -> int:
-        """What one block holds in every group (layers reading another's K/V add nothing)."""
+        """What one block holds in every group (layers reading another's K/V add nothing, layers
+        whose keys are derived from their values add their values)."""
         element = torch.empty((), dtype=dtype).element_size()
-        return sum(2 * len(layers) * block_size * heads * dim * element
-                   for (heads, dim), layers in _stored_by_geometry(layout).items())
+        return sum((1 if derived_keys else 2) * len(layers) * block_size * heads * dim * element
+                   for (heads, dim, derived_keys), layers in _stored_by_geometry(layout).items())
 
     @property
     def num_blocks(self) -> int:
-        return self.groups[0].k.shape[1]
+        return self.groups[0].v.shape[1]
 
     @property
     def k(self) -> torch.Tensor:
@@ -249,13 +255,13 @@ class KVPool:
 
     def _single_group(self) -> KVGroup:
         group = self.groups[0]
-        if len(self.groups) != 1 or len(group.layers) != len(self.layout):
+        if len(self.groups) != 1 or len(group.layers) != len(self.layout) or group.k is None:
             raise ValueError("this KV pool has layers of several geometries (or shared K/V): use layer(i) or groups")
         return group
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, index: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Layer `index`'s K and V caches [num_blocks, block_size, num_kv_heads, head_dim] (another
-        layer's, when it reads theirs)."""
+        layer's, when it reads theirs); K None when its keys are derived from its values."""
         return self._caches[index]
 
     def stores(self, index: int) -> bool:
@@ -264,21 +270,23 @@ class KVPool:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every stored K and V tensor, group by group."""
-        return [t for group in self.groups for t in (group.k, group.v)]
+        return [t for group in self.groups for t in (group.k, group.v) if t is not None]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new keys/values [T, num_kv_heads, head_dim] at flat slots [T]."""
+        """Store new keys/values [T, num_kv_heads, head_dim] at flat slots [T] (the values only,
+        where the keys are derived from them)."""
         k_cache, v_cache = self.layer(layer)
-        k_cache.view(-1, *k_cache.shape[-2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+        if k_cache is not None:
+            k_cache.view(-1, *k_cache.shape[-2:]).index_copy_(0, slots, k.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[-2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-def _stored_by_geometry(layout: Sequence[LayerKV]) -> dict[tuple[int, int], list[int]]:
-    """(KV heads, head size) -> the layers of that geometry that store K/V, in order."""
-    groups: dict[tuple[int, int], list[int]] = {}
+def _stored_by_geometry(layout: Sequence[LayerKV]) -> dict[tuple[int, int, bool], list[int]]:
+    """(KV heads, head size, keys derived) -> the layers of that geometry that store K/V, in order."""
+    groups: dict[tuple[int, int, bool], list[int]] = {}
     for index, spec in enumerate(layout):
         if spec.reads_layer is None:
-            groups.setdefault((spec.num_kv_heads, spec.head_dim), []).append(index)
+            groups.setdefault((spec.num_kv_heads, spec.head_dim, spec.keys_from_values), []).append(index)
     return groups
 
 

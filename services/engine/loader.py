@@ -95,7 +95,7 @@ def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions
         raise ValueError(f"{name} cannot be served: {reason}")
     if impl == "transformers":
         log.info("target forward: transformers layer code for %s (target_impl=transformers)", name)
-        return TargetRunner(target, pool)
+        return TargetRunner(target, pool, max_positions=max_positions)
     reason = fused_unsupported_reason(target)
     if reason is None:
         log.info("target forward: fused layers for %s (target_impl=%s)", name, impl)
@@ -103,7 +103,7 @@ def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions
     if impl == "fused":
         raise ValueError(f"target_impl=fused: {name} has no fused forward ({reason}); use auto or transformers")
     log.info("target forward: transformers layer code for %s (no fused forward: %s)", name, reason)
-    return TargetRunner(target, pool)
+    return TargetRunner(target, pool, max_positions=max_positions)
 
 
 def build_engine(config: EngineConfig) -> Engine:

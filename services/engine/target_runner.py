@@ -16,6 +16,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from dflash_serve.kernels import paged_attention, rms_norm
+from dflash_serve.services.engine.fused_target import layer_rope_kinds, rope_tables
 from dflash_serve.services.engine.kv_cache import AttentionBatch, KVPool, LayerKV
 from dflash_serve.services.models.target import TargetModel
 
@@ -37,6 +38,7 @@ def _paged_attention_forward(
     *,
     paged_batch: AttentionBatch,
     paged_pool: KVPool,
+    paged_keys_from_values: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     **_: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers calls this with query [1, heads, T, hd], key/value [1, kv_heads, T, hd]."""
@@ -49,6 +51,7 @@ def _paged_attention_forward(
     if paged_pool.stores(layer):
         paged_pool.write(layer, paged_batch.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     k_cache, v_cache = paged_pool.layer(layer)
+    # A k_eq_v layer's cache holds its values only: its keys are derived from them as they are read.
     out = paged_attention(
         q,
         k_cache,
@@ -60,6 +63,7 @@ def _paged_attention_forward(
         causal=True,
         window=sliding_window,
         max_query_len=paged_batch.max_query_len,
+        keys_from_values=paged_keys_from_values.get(layer),
     )
     return out[None], None
 
@@ -121,7 +125,9 @@ def _kv_source(target: TargetModel, index: int, layer: nn.Module) -> int | None:
 class TargetRunner:
     """Runs a `TargetModel` over packed tokens with its KV in a `KVPool`."""
 
-    def __init__(self, target: TargetModel, pool: KVPool):
+    def __init__(self, target: TargetModel, pool: KVPool, *, max_positions: int):
+        """`max_positions`: one past the largest position a forward may write (the RoPE tables a
+        layer whose keys are derived from its values reads them with)."""
         self.target = target
         self.pool = pool
         model = target.model
@@ -133,6 +139,13 @@ class TargetRunner:
         # The HF model stays usable as it was (plain forwards, training): our attention is switched
         # on only for the duration of our own forwards.
         self._configs = {id(c): c for c in (model.config, model.config.get_text_config())}.values()
+        self._keys_from_values = {}
+        if any(spec.keys_from_values for spec in pool.layout):
+            tables, kinds = rope_tables(target, max_positions), layer_rope_kinds(target)
+            for index, spec in enumerate(pool.layout):
+                if spec.keys_from_values:
+                    owner = target.layers[index if spec.reads_layer is None else spec.reads_layer].self_attn
+                    self._keys_from_values[index] = (owner.k_norm.weight.detach().float(), *tables[kinds[index]])
 
     @staticmethod
     def kv_layout(target: TargetModel) -> list[LayerKV]:
@@ -147,7 +160,12 @@ class TargetRunner:
             heads = layer_cfg.num_attention_heads
             head_dim = getattr(layer_cfg, "head_dim", None) or layer_cfg.hidden_size // heads
             kv_heads = getattr(layer_cfg, "num_key_value_heads", None) or heads
-            layout.append(LayerKV(kv_heads, head_dim, reads_layer=_kv_source(target, index, layer)))
+            source = _kv_source(target, index, layer)
+            owner = target.layers[index if source is None else source].self_attn
+            # Gemma-4's attention_k_eq_v: a key projection and no value projection; its values are
+            # the projection normed, its keys the same normed with a weight and rotated: stored once.
+            keys_from_values = hasattr(owner, "k_proj") and getattr(owner, "v_proj", False) is None
+            layout.append(LayerKV(kv_heads, head_dim, reads_layer=source, keys_from_values=keys_from_values))
         return layout
 
     @torch.inference_mode()
@@ -166,6 +184,7 @@ class TargetRunner:
                 logits_to_keep=logits_rows,
                 paged_batch=batch,
                 paged_pool=self.pool,
+                paged_keys_from_values=self._keys_from_values,
             )
         finally:
             for c, name in zip(self._configs, saved, strict=True):

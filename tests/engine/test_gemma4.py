@@ -95,7 +95,9 @@ def test_build_engine_serves_a_saved_gemma4_checkpoint(twin, tmp_path):
         target=str(tmp_path / "target"), drafter=str(tmp_path / "drafter"), target_impl=harness.TARGET_IMPL,
         dtype="float32", kv_block_size=KV, num_kv_blocks=64, max_num_seqs=2, speculation="fixed",
         round_costs_dir=str(tmp_path / "costs")))
-    sliding, full = LayerKV(2, 8), LayerKV(1 if twin.config.attention_k_eq_v else 2, 16)
+    # The 31B's global layers store their values only (k_eq_v: the keys are derived from them).
+    k_eq_v = twin.config.attention_k_eq_v
+    sliding, full = LayerKV(2, 8), LayerKV(1 if k_eq_v else 2, 16, keys_from_values=k_eq_v)
     expected = [sliding, sliding, full, sliding, sliding, full]
     if twin.config.num_kv_shared_layers:  # the last two layers read layers 3 and 2
         expected[4:] = [LayerKV(2, 8, reads_layer=3), LayerKV(2, 16, reads_layer=2)]

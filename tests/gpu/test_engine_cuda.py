@@ -208,9 +208,9 @@ def _fused_equals_transformers_in_bf16(model, name: str) -> None:
 
     target = TargetModel(model, (0, 2))
     outs = []
-    for cls, kwargs in ((TargetRunner, {}), (FusedTargetRunner, {"max_positions": 4096})):
+    for cls in (TargetRunner, FusedTargetRunner):
         pool = KVPool.allocate_layers(TargetRunner.kv_layout(target), 64, 16, torch.bfloat16, "cuda")
-        runner = cls(target, pool, **kwargs)
+        runner = cls(target, pool, max_positions=4096)
         g = torch.Generator().manual_seed(1)
         tables = [list(range(0, 20)), list(range(20, 40))]
         starts, results = [0, 0], []

@@ -113,7 +113,8 @@ def paged_forwards(runner, dtype, seed: int = 0):
 def runners(model, dtype):
     target = TargetModel(model.to(dtype), LAYER_IDS)
     pools = [KVPool.allocate_layers(TargetRunner.kv_layout(target), 64, PAGE, dtype, "cpu") for _ in range(2)]
-    return target, TargetRunner(target, pools[0]), FusedTargetRunner(target, pools[1], max_positions=64)
+    return (target, TargetRunner(target, pools[0], max_positions=64),
+            FusedTargetRunner(target, pools[1], max_positions=64))
 
 
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.float64, 1e-6)])
@@ -144,7 +145,8 @@ def test_a_layer_listed_twice_gives_its_feature_twice():
     model = tiny_target("llama", layers=4).float()
     target = TargetModel(model, (3, 0, 3))
     layout = TargetRunner.kv_layout(target)
-    hf_runner = TargetRunner(target, KVPool.allocate_layers(layout, 64, PAGE, torch.float32, "cpu"))
+    hf_runner = TargetRunner(target, KVPool.allocate_layers(layout, 64, PAGE, torch.float32, "cpu"),
+                             max_positions=64)
     fused_runner = FusedTargetRunner(target, KVPool.allocate_layers(layout, 64, PAGE, torch.float32, "cpu"),
                                      max_positions=64)
     for (_, hf_features), (_, features) in zip(paged_forwards(hf_runner, torch.float32)[0],

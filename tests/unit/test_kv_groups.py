@@ -46,6 +46,21 @@ def test_a_layer_reading_an_earlier_layers_kv_allocates_none_and_sees_its_cache(
     assert KVPool.layout_bytes_per_block(layout, 4, torch.float32) == 2 * 4 * 4 * (2 * 2 * 8 + 16)
 
 
+def test_a_layer_whose_keys_are_derived_from_its_values_stores_its_values_alone():
+    """gemma-4-31B's global layers (attention_k_eq_v): one tensor per layer, not two."""
+    sliding, k_eq_v = LayerKV(2, 8), LayerKV(1, 16, keys_from_values=True)
+    layout = [sliding, k_eq_v, sliding, k_eq_v]
+    pool = KVPool.allocate_layers(layout, 3, 4, torch.float32, "cpu")
+    assert [(g.layers, g.k is None) for g in pool.groups] == [((0, 2), False), ((1, 3), True)]
+    assert pool.layer(3)[0] is None and pool.layer(3)[1].shape == (3, 4, 1, 16)
+    assert len(pool.tensors()) == 3
+    assert KVPool.layout_bytes_per_block(layout, 4, torch.float32) == 4 * 4 * 2 * (2 * 2 * 8 + 16)
+    pool.write(3, torch.tensor([5]), torch.full((1, 1, 16), 9.0), torch.full((1, 1, 16), 2.0))
+    assert torch.equal(pool.groups[1].v[1, 1, 1], torch.full((1, 16), 2.0))
+    with pytest.raises(ValueError, match="several geometries"):
+        pool.v  # noqa: B018
+
+
 @pytest.mark.parametrize("layout, message", [
     ([LayerKV(2, 8, reads_layer=1), LayerKV(2, 8)], "reads the K/V of layer 1, which stores none before it"),
     ([LayerKV(2, 8), LayerKV(1, 16, reads_layer=0)], "has 1 KV heads of 16, but the K/V it reads has"),

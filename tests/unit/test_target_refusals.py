@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from dflash_serve.services.engine.kv_cache import KVPool
+from dflash_serve.services.engine.kv_cache import KVPool, LayerKV
 from dflash_serve.services.engine.loader import target_runner
 from dflash_serve.services.engine.target_runner import TargetRunner, unservable_reason
 from dflash_serve.services.models import TargetModel
@@ -63,7 +63,7 @@ def test_a_target_no_forward_computes_is_refused_naming_its_config_field(reason,
     with pytest.raises(ValueError, match="cannot be served: " + re.escape(reason)):
         target_runner(impl, target, pool, max_positions=64)
     with pytest.raises(ValueError, match="cannot be served"):
-        TargetRunner(target, pool)
+        TargetRunner(target, pool, max_positions=64)
 
 
 def test_gemma4_layers_of_their_own_kv_geometry_are_no_refusal():
@@ -77,5 +77,6 @@ def test_gemma4_layers_of_their_own_kv_geometry_are_no_refusal():
     target = TargetModel(model.float().eval())
     assert unservable_reason(target) is None
     layout = TargetRunner.kv_layout(target)
-    assert [(s.num_kv_heads, s.head_dim) for s in layout] == [(2, 32), (1, 64)]
-    assert KVPool.layout_bytes_per_block(layout, 4, torch.float32) == 2 * 4 * (2 * 32 + 64) * 4
+    assert layout == [LayerKV(2, 32), LayerKV(1, 64, keys_from_values=True)]
+    # The global layer's values are stored once: its keys are derived from them.
+    assert KVPool.layout_bytes_per_block(layout, 4, torch.float32) == 4 * (2 * 2 * 32 + 64) * 4
