@@ -144,7 +144,8 @@ class TargetModel:
             if config.model_type in TEXT_MODEL_PREFIX:
                 model = _load_text_model(name_or_path, config, dtype=dtype, revision=revision)
             else:
-                model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, revision=revision)
+                model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=dtype,
+                                                             revision=revision)
         except OSError as err:
             raise _cannot_load(name_or_path, err) from err
         return cls(model.to(device).eval(), layer_ids)
