@@ -122,6 +122,20 @@ def _kv_source(target: TargetModel, index: int, layer: nn.Module) -> int | None:
     return next(i for i in range(index - 1, -1, -1) if modes[i] == "store" and types[i] == types[index])
 
 
+def _kv_geometry(target: TargetModel, index: int, attn: nn.Module) -> tuple[int, int]:
+    """(KV heads, head size) of layer `index`: from its key projection where it has one, else from
+    its resolved config (transformers' per-layer view where the config is heterogeneous)."""
+    head_dim, k_proj = getattr(attn, "head_dim", None), getattr(attn, "k_proj", None)
+    if head_dim and isinstance(k_proj, nn.Linear):
+        return k_proj.out_features // head_dim, head_dim
+    cfg = target.config
+    per_layer = getattr(cfg, "per_layer_config", None)
+    layer_cfg = per_layer[index] if per_layer is not None and cfg.num_hidden_layers == target.num_layers else cfg
+    heads = layer_cfg.num_attention_heads
+    return (getattr(layer_cfg, "num_key_value_heads", None) or heads,
+            getattr(layer_cfg, "head_dim", None) or layer_cfg.hidden_size // heads)
+
+
 class TargetRunner:
     """Runs a `TargetModel` over packed tokens with its KV in a `KVPool`."""
 
@@ -149,19 +163,15 @@ class TargetRunner:
 
     @staticmethod
     def kv_layout(target: TargetModel) -> list[LayerKV]:
-        """Each decoder layer's K/V geometry, from its own resolved config (Gemma-4's global
-        layers have their own head size and KV heads), and the earlier layer whose K/V a layer
-        reads when it computes none (Gemma-4's `num_kv_shared_layers`)."""
-        cfg = target.config
-        per_layer = cfg.per_layer_config if cfg.num_hidden_layers == target.num_layers else [cfg] * target.num_layers
+        """Each decoder layer's K/V geometry — its attention's own (Gemma-4's global layers have
+        their own head size and KV heads) — and the earlier layer whose K/V a layer reads when it
+        computes none (Gemma-4's `num_kv_shared_layers`)."""
         layout = []
         for index, layer in enumerate(target.layers):
-            layer_cfg = per_layer[index]
-            heads = layer_cfg.num_attention_heads
-            head_dim = getattr(layer_cfg, "head_dim", None) or layer_cfg.hidden_size // heads
-            kv_heads = getattr(layer_cfg, "num_key_value_heads", None) or heads
             source = _kv_source(target, index, layer)
-            owner = target.layers[index if source is None else source].self_attn
+            owner_index = index if source is None else source
+            owner = target.layers[owner_index].self_attn
+            kv_heads, head_dim = _kv_geometry(target, owner_index, owner)
             # Gemma-4's attention_k_eq_v: a key projection and no value projection; its values are
             # the projection normed, its keys the same normed with a weight and rotated: stored once.
             keys_from_values = hasattr(owner, "k_proj") and getattr(owner, "v_proj", False) is None
