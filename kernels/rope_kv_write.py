@@ -131,7 +131,8 @@ def rope_kv_write_triton(qkv, positions, cos, sin, slot_mapping, k_cache, v_cach
         qkv.stride(0), cos.stride(0), sin.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, HAS_Q_NORM=has_q_norm, HAS_K_NORM=has_k_norm,
-        HAS_V_NORM=v_norm, SCALE_IN_FLOAT32=scale_in_float32, VALUES_FROM_KEYS=values_from_keys, WRITE_KEYS=write_keys, num_warps=max(1, min(4, block_heads * block_half // 256)),
+        HAS_V_NORM=v_norm, SCALE_IN_FLOAT32=scale_in_float32, VALUES_FROM_KEYS=values_from_keys, WRITE_KEYS=write_keys,
+        num_warps=max(1, min(4, block_heads * block_half // 256)),
     )
     return q
 

@@ -19,9 +19,10 @@ The layer count of launches is the same nine. Gemma-4's layers add: a value norm
 launch as q/k norms and RoPE); global layers of their own head size and KV heads (their K/V in
 their own group of the pool), rotating part of the head (proportional RoPE: zero frequencies for
 the rest), and with `attention_k_eq_v` no value projection (the values are the key projection's
-raw heads, normed, and the cache holds them alone: the attention derives each key from its value); KV-shared layers that project queries only and attend over an earlier layer's
-K/V; and, where a checkpoint has them, a per-layer input (E2B/E4B) and an output scale
-(`layer_scalar`), which add and scale the residual before the next norm (two launches more).
+raw heads, normed, and the cache holds them alone: the attention derives each key from its
+value); KV-shared layers that project queries only and attend over an earlier layer's K/V; and,
+where a checkpoint has them, a per-layer input (E2B/E4B) and an output scale (`layer_scalar`),
+which add to and scale the residual before the next norm (a few launches more per layer).
 
 q/k/v and gate/up are each one GEMM over weights concatenated at load; a GEMM of at most 16 rows
 (decode, a batch-1 verify, the draft) is one launch of `dflash_serve.kernels.SkinnyLinear`'s kernel, where

@@ -798,7 +798,8 @@ def test_rope_kv_write_triton_matches_reference_on_gemma4_global_and_kv_shared_l
     qw, kw = qw.float(), kw.float()
     kv_sets = 0 if layer == "queries_only" else 1
     qkv = qkv[:, : (heads + kv_sets * kv_heads) * head_dim].contiguous()
-    caches = {"values_from_keys": (k_cache, v_cache), "values_only": (None, v_cache), "queries_only": (None, None)}[layer]
+    caches = {"values_from_keys": (k_cache, v_cache), "values_only": (None, v_cache),
+              "queries_only": (None, None)}[layer]
     kwargs = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-6, scale_in_float32=True, v_norm=True,
                   values_from_keys=bool(kv_sets))
     ref_caches = [None if c is None else c.clone() for c in caches]
