@@ -296,8 +296,10 @@ class FusedStack:
         cos/sin[rope_index[t]] (a layer's own table, else the one given here); `on_residual(k,
         residual)` sees the residual stream after layer k (it is the sum the next fused add produces).
         `per_layer_inputs` [T, layers, P]: Gemma-4's per-layer inputs, for layers that take one."""
+        # Sliding-window layers whose K/V live in window slots attend through the slots' view.
+        batches = (batch, None if self.pool.window_map is None else self.pool.window_batch(batch))
         if self.gemma:
-            return self._forward_gemma(hidden, rope_index, cos, sin, batch, on_residual, per_layer_inputs)
+            return self._forward_gemma(hidden, rope_index, cos, sin, batches, on_residual, per_layer_inputs)
         residual = None
         for index, layer in enumerate(self.layers):
             if residual is None:
@@ -306,7 +308,7 @@ class FusedStack:
                 x, residual = add_rms_norm(hidden, residual, layer.input_norm, self.eps)
                 if on_residual is not None:
                     on_residual(index - 1, residual)
-            hidden = self._attention(index, layer, x, rope_index, cos, sin, batch)
+            hidden = self._attention(index, layer, x, rope_index, cos, sin, batches)
             x, residual = add_rms_norm(hidden, residual, layer.post_attention_norm, self.eps)
             hidden = self._mlp(layer, x)
         x, residual = add_rms_norm(hidden, residual, self.final_norm, self.eps)
@@ -315,14 +317,14 @@ class FusedStack:
         return x
 
     def _forward_gemma(self, hidden: torch.Tensor, rope_index: torch.Tensor, cos: torch.Tensor | None,
-                       sin: torch.Tensor | None, batch: AttentionBatch, on_residual,
+                       sin: torch.Tensor | None, batches: tuple[AttentionBatch, AttentionBatch | None], on_residual,
                        per_layer_inputs: torch.Tensor | None) -> torch.Tensor:
         """residual += post_norm(sublayer(pre_norm(residual))) for attention, then MLP: each
         sublayer's post-norm, residual add and the next pre-norm are one launch. A Gemma-4 layer
         with a per-layer input or an output scale adds and scales its residual first, then norms."""
         x, residual = rms_norm(hidden, self.layers[0].input_norm, self.eps, scale_in_float32=True), hidden
         for index, layer in enumerate(self.layers):
-            hidden = self._attention(index, layer, x, rope_index, cos, sin, batch)
+            hidden = self._attention(index, layer, x, rope_index, cos, sin, batches)
             x, residual = add_rms_norm(hidden, residual, layer.pre_feedforward_norm, self.eps,
                                        x_norm_weight=layer.post_attention_norm, scale_in_float32=True)
             hidden = self._mlp(layer, x)
@@ -347,9 +349,11 @@ class FusedStack:
         return rms_norm(ple.projection(gated), ple.norm, self.eps, scale_in_float32=True)
 
     def _attention(self, index: int, layer: FusedLayer, x: torch.Tensor, rope_index: torch.Tensor,
-                   cos: torch.Tensor | None, sin: torch.Tensor | None, batch: AttentionBatch) -> torch.Tensor:
+                   cos: torch.Tensor | None, sin: torch.Tensor | None,
+                   batches: tuple[AttentionBatch, AttentionBatch | None]) -> torch.Tensor:
         """One layer's attention on its normed input -> the O projection's output."""
         k_cache, v_cache = self.pool.layer(index)
+        batch = batches[1] if self.pool.windowed(index) else batches[0]
         if layer.rope is not None:
             cos, sin = layer.rope
         qkv = layer.qkv(x)

@@ -39,6 +39,7 @@ def _paged_attention_forward(
     paged_batch: AttentionBatch,
     paged_pool: KVPool,
     paged_keys_from_values: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    paged_window_batch: AttentionBatch | None,
     **_: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers calls this with query [1, heads, T, hd], key/value [1, kv_heads, T, hd]."""
@@ -46,6 +47,8 @@ def _paged_attention_forward(
         raise ValueError("attention logit softcapping (Gemma-2) is not supported by the paged kernel")
     layer = module.layer_idx
     q = query[0].transpose(0, 1)
+    if paged_pool.windowed(layer):  # a sliding-window layer whose K/V live in window slots
+        paged_batch = paged_window_batch
     # A layer reading an earlier layer's K/V (Gemma-4 KV sharing) gets that layer's keys here; they
     # are in the pool already.
     if paged_pool.stores(layer):
@@ -175,7 +178,8 @@ class TargetRunner:
             # Gemma-4's attention_k_eq_v: a key projection and no value projection; its values are
             # the projection normed, its keys the same normed with a weight and rotated: stored once.
             keys_from_values = hasattr(owner, "k_proj") and getattr(owner, "v_proj", False) is None
-            layout.append(LayerKV(kv_heads, head_dim, reads_layer=source, keys_from_values=keys_from_values))
+            layout.append(LayerKV(kv_heads, head_dim, reads_layer=source, keys_from_values=keys_from_values,
+                                  window=getattr(layer.self_attn, "sliding_window", None)))
         return layout
 
     @torch.inference_mode()
@@ -195,6 +199,7 @@ class TargetRunner:
                 paged_batch=batch,
                 paged_pool=self.pool,
                 paged_keys_from_values=self._keys_from_values,
+                paged_window_batch=None if self.pool.window_map is None else self.pool.window_batch(batch),
             )
         finally:
             for c, name in zip(self._configs, saved, strict=True):

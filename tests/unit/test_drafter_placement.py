@@ -174,6 +174,8 @@ def test_on_a_gpu_the_kv_cache_holds_what_the_batch_can_use_within_its_share_of_
     assert loader.num_kv_blocks(config, cuda, per_block, usable=30) == 30
     assert loader.num_kv_blocks(config, cuda, per_block, usable=3000) == 50  # half of 100 MiB free
     assert loader.num_kv_blocks(EngineConfig(target="tiny", num_kv_blocks=7), cuda, per_block, usable=30) == 7
+    # Window slots held apart from the blocks come out of the same share.
+    assert loader.num_kv_blocks(config, cuda, per_block, usable=3000, reserved=20 * 2**20) == 30
 
 
 @pytest.mark.parametrize(("raw", "machine_gpus", "lent"), [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_serve.services.engine.kv_cache import KVPool, LayerKV
+from dflash_serve.services.engine.kv_cache import BlockAllocator, KVPool, LayerKV, OutOfKVBlocks, hash_block_tokens
 
 SLIDING, GLOBAL = LayerKV(16, 256), LayerKV(4, 512)  # gemma-4-31B's two geometries
 
@@ -68,3 +68,66 @@ def test_a_layer_whose_keys_are_derived_from_its_values_stores_its_values_alone(
 def test_a_layout_reading_kv_that_is_not_there_is_refused(layout, message):
     with pytest.raises(ValueError, match=message):
         KVPool.allocate_layers(layout, 2, 4, torch.float32, "cpu")
+
+
+def _window_allocator(num_blocks=12, slots=4, window=5, block_size=4):
+    window_map = torch.full((num_blocks,), -7, dtype=torch.int32)
+    allocator = BlockAllocator(num_blocks, block_size, window=window, num_window_slots=slots, window_map=window_map)
+    return allocator, window_map
+
+
+def test_blocks_take_window_slots_and_give_them_back_once_no_query_sees_them():
+    alloc, window_map = _window_allocator()
+    table = []
+    alloc.grow(table, 12)  # 3 blocks, 3 slots
+    assert [alloc.window_slot(b) for b in table] == [0, 1, 2]
+    assert window_map[table].tolist() == [0, 1, 2] and alloc.num_takeable == 1
+    assert not alloc.can_hold(table, 20) and alloc.can_hold(table, 16)  # slots, not blocks, run out
+    # Position 12's window (5) starts at 8: blocks 0 and 1 (positions 0-7) are out of sight.
+    alloc.leave_window(table, 12)
+    assert [alloc.window_slot(b) for b in table] == [-1, -1, 2] and alloc.num_takeable == 3
+    alloc.grow(table, 20)  # 2 more blocks take the freed slots
+    assert sorted(alloc.window_slot(b) for b in table[3:]) == [0, 1]
+    with pytest.raises(OutOfKVBlocks, match="window slots"):
+        alloc.grow(table, 28)
+    alloc.release(table)
+    assert alloc.num_free == 12 and alloc.num_takeable == 4
+
+
+def test_a_shared_block_keeps_its_slot_and_a_cached_one_keeps_it_until_a_block_needs_it():
+    alloc, _ = _window_allocator(slots=5)
+    keys = [hash_block_tokens(b"", [1, 2, 3, 4]), hash_block_tokens(b"x", [5, 6, 7, 8])]
+    first = []
+    alloc.grow(first, 8)
+    for block, key in zip(first, keys, strict=True):
+        alloc.register(block, key)
+    second = alloc.cached_prefix(keys)  # both blocks, shared now
+    assert second == first
+    alloc.leave_window(first, 12)  # out of first's window, but second holds them
+    assert all(alloc.window_slot(b) >= 0 for b in first)
+    alloc.release(second)
+    alloc.leave_window(first, 12)  # cached: their slots stay until a block needs one
+    assert all(alloc.window_slot(b) >= 0 for b in first) and alloc.num_takeable == 5
+    other = []
+    alloc.grow(other, 16)  # 3 free slots, then the least recently given up cached block's
+    assert alloc.window_slot(first[0]) == -1 and alloc.window_slot(first[1]) >= 0
+    # A hit ends only where the window before its end holds its slots: 2 blocks (window from
+    # position 4: block 1) still can, and without block 1's slot none can.
+    hit = alloc.cached_prefix(keys)
+    assert hit == first
+    alloc.release(hit)
+    alloc.leave_window(first, 12)
+    alloc.grow(other, 20)  # takes block 1's slot: no hit can end after block 0 or 1 now
+    assert alloc.window_slot(first[1]) == -1
+    assert alloc.cached_prefix(keys) == []
+
+
+def test_forgetting_the_prefix_cache_frees_the_slots_only_it_kept():
+    alloc, _ = _window_allocator(slots=3)
+    table = []
+    alloc.grow(table, 8)
+    alloc.register(table[0], hash_block_tokens(b"", [1, 2, 3, 4]))
+    alloc.leave_window(table, 12)  # block 0 (cached) keeps its slot, block 1 gives it back
+    assert alloc.window_slot(table[0]) >= 0 and alloc.window_slot(table[1]) == -1
+    alloc.reset_prefix_cache()
+    assert alloc.window_slot(table[0]) == -1 and alloc.num_takeable == 3

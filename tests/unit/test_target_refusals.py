@@ -77,6 +77,6 @@ def test_gemma4_layers_of_their_own_kv_geometry_are_no_refusal():
     target = TargetModel(model.float().eval())
     assert unservable_reason(target) is None
     layout = TargetRunner.kv_layout(target)
-    assert layout == [LayerKV(2, 32), LayerKV(1, 64, keys_from_values=True)]
+    assert layout == [LayerKV(2, 32, window=512), LayerKV(1, 64, keys_from_values=True)]
     # The global layer's values are stored once: its keys are derived from them.
     assert KVPool.layout_bytes_per_block(layout, 4, torch.float32) == 4 * (2 * 2 * 32 + 64) * 4
