@@ -31,11 +31,14 @@ def hash_block_tokens(parent: bytes, tokens: Sequence[int]) -> bytes:
     return digest.digest()
 
 
-def window_slots_for(window: int, block_size: int, max_num_seqs: int, max_write_ahead: int) -> int:
-    """The window slots `max_num_seqs` sequences can hold at once: each holds those of the blocks
-    a query at its next position can see and of what a step writes past it (`max_write_ahead`: a
-    prefill chunk, or a chained round's two blocks of lookahead), a part-block at each end."""
-    return max_num_seqs * (-(-(window - 1 + max_write_ahead) // block_size) + 2)
+def window_slots_for(window: int, block_size: int, max_num_seqs: int, lookahead: int, max_prefill_tokens: int) -> int:
+    """The window slots `max_num_seqs` sequences can hold at once. Each holds those of the blocks a
+    query at its next position can see and of what a step writes past it: two rounds' lookahead
+    (a chained round), and its prefill chunk, of which a step's all take `max_prefill_tokens` at
+    most (after the step, the chunk's blocks but its last window's give their slots back) — with
+    a part-block at each end and of its chunk."""
+    per_sequence = -(-(window - 1 + 2 * lookahead) // block_size) + 3
+    return max_num_seqs * per_sequence + -(-max_prefill_tokens // block_size)
 
 
 class BlockAllocator:

@@ -167,8 +167,8 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
     window_slots = 0
     window = KVPool.window_of(t_layout)
     if window is not None:  # the sliding-window layers' K/V in window slots, where that holds more
-        window_slots = window_slots_for(window, config.kv_block_size, config.max_num_seqs,
-                                        max(config.max_prefill_tokens, 2 * lookahead))
+        window_slots = window_slots_for(window, config.kv_block_size, config.max_num_seqs, lookahead,
+                                        config.max_prefill_tokens)
         slot_bytes = KVPool.layout_bytes_per_block(t_layout, config.kv_block_size, dtype, windowed=True)
         windowed_blocks = num_kv_blocks(config, device, per_block - slot_bytes, usable=usable,
                                         reserved=(window_slots + scratch) * slot_bytes)

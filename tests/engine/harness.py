@@ -38,7 +38,7 @@ def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = Non
     lookahead = drafter.config.block_size if drafter is not None else getattr(proposer, "block_size", 1)
     window = KVPool.window_of(layout)
     # Sliding-window layers in window slots, as the loader places them, where there are fewer.
-    window_slots = window_slots_for(window, kv_block_size, max_num_seqs, max(max_prefill_tokens, 2 * lookahead)) \
+    window_slots = window_slots_for(window, kv_block_size, max_num_seqs, lookahead, max_prefill_tokens) \
         if window is not None else 0
     if window_slots >= num_blocks - scratch:
         window_slots = 0

@@ -89,8 +89,8 @@ def test_prefix_hits_and_preemption_keep_every_kv_group_right(twin):
 def test_build_engine_serves_a_saved_gemma4_checkpoint(twin, tmp_path):
     """What a user runs: a Gemma-4 checkpoint folder and a drafter folder through `build_engine`
     (the KV cache sized from the layers' own geometries, the sliding layers' K/V in window slots
-    for 2 sequences of window 5 and prefill chunks of 16: 14 slots beside 64 blocks), decoding as
-    transformers does."""
+    for 2 sequences of window 5, rounds of 5 and prefill chunks of 16: 18 slots beside 64 blocks),
+    decoding as transformers does."""
     twin.save_pretrained(tmp_path / "target")
     save_drafter(gemma4_drafter(block_size=B, seed=5), tmp_path / "drafter")
     engine = build_engine_from_disk(EngineConfig(
@@ -106,8 +106,8 @@ def test_build_engine_serves_a_saved_gemma4_checkpoint(twin, tmp_path):
         expected[4:] = [LayerKV(2, 8, reads_layer=3, window=5), LayerKV(2, 16, reads_layer=2)]
     pool = engine.runner.pool
     assert list(pool.layout) == expected
-    assert engine.allocator.num_window_slots == 14
-    assert [(g.windowed, g.v.shape[1]) for g in pool.groups] == [(True, 14), (False, 64)]
+    assert engine.allocator.num_window_slots == 18
+    assert [(g.windowed, g.v.shape[1]) for g in pool.groups] == [(True, 18), (False, 64)]
     prompts = [_tokens(9, 30), _tokens(14, 31)]
     done = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
     for prompt, seq in zip(prompts, done, strict=True):
@@ -115,8 +115,8 @@ def test_build_engine_serves_a_saved_gemma4_checkpoint(twin, tmp_path):
 
 
 def test_sliding_layers_in_window_slots_under_block_pressure_stay_lossless(twin):
-    """The sliding layers' K/V in 24 window slots (4 sequences of window 5, prefill chunks of 8)
-    beside 40 blocks, for five requests sharing a 13-token opening, prompts and answers many
+    """The sliding layers' K/V in 30 window slots (4 sequences of window 5, rounds of 5, prefill
+    chunks of 8) beside 40 blocks, for five requests sharing a 13-token opening, prompts and answers many
     windows long: slots are given back as the window moves on and taken again by other blocks,
     prefix hits end where the window still has its slots, sequences are preempted, outputs are
     the target's, and every slot is back at the end."""
@@ -127,7 +127,7 @@ def test_sliding_layers_in_window_slots_under_block_pressure_stay_lossless(twin)
     engine = build_engine(twin, proposer=oracle, num_blocks=40, kv_block_size=KV, max_num_seqs=4,
                           max_prefill_tokens=8)
     allocator = engine.allocator
-    assert allocator.window == 5 and allocator.num_window_slots == 24
+    assert allocator.window == 5 and allocator.num_window_slots == 30
     engine.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=30), "w0")
     engine.step()
     for i in range(1, 5):
@@ -146,7 +146,7 @@ def test_sliding_layers_in_window_slots_under_block_pressure_stay_lossless(twin)
     assert engine.scheduler.num_preemptions > 0 and engine.scheduler.prefix_cache_hits > 0
     for rid, p in zip(refs, prompts, strict=True):
         assert engine.sequences[rid].output_ids == refs[rid][len(p):len(p) + 30], rid
-    assert allocator.num_free == allocator.num_blocks and allocator.num_takeable == 24
+    assert allocator.num_free == allocator.num_blocks and allocator.num_takeable == 30
 
 
 def test_prefill_through_the_padded_graph_forward_with_window_slots_is_lossless(twin):
