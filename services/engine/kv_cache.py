@@ -349,8 +349,10 @@ class KVPool:
         groups = []
         for (heads, dim, derived_keys, windowed), layers in _stored_by_geometry(layout, num_window_slots).items():
             shape = (len(layers), num_window_slots if windowed else num_blocks, block_size, heads, dim)
-            k = None if derived_keys else torch.zeros(shape, dtype=dtype, device=device)
-            groups.append(KVGroup(tuple(layers), k, torch.zeros(shape, dtype=dtype, device=device), windowed))
+            # Not zeroed: a slot is always written before it is read (tests/engine/test_kv_pool_uninitialized.py
+            # starts every pool as NaN), and zeroing a GPU's worth of cache is work no request needs.
+            k = None if derived_keys else torch.empty(shape, dtype=dtype, device=device)
+            groups.append(KVGroup(tuple(layers), k, torch.empty(shape, dtype=dtype, device=device), windowed))
         window_map = None
         if any(group.windowed for group in groups):
             window_map = torch.zeros(num_blocks, dtype=torch.int32, device=device)
