@@ -22,10 +22,16 @@ def test_layers_are_grouped_by_geometry_over_the_same_blocks():
     assert k3.data_ptr() == pool.groups[0].k[2].data_ptr() and v3.data_ptr() == pool.groups[0].v[2].data_ptr()
     with pytest.raises(ValueError, match="several geometries"):
         pool.k  # noqa: B018 - one tensor for all layers exists only for a pool of one geometry
-    # A write lands in the layer's own group, at the flat slot of (block, offset).
+    # A write lands in the layer's own group, at the flat slot of (block, offset), and nowhere else
+    # (the pool is not zeroed when allocated: it is filled here to see what the write touched).
+    for group in pool.groups:
+        group.k.fill_(-1.0)
+        group.v.fill_(-1.0)
     pool.write(4, torch.tensor([9]), torch.ones(1, 1, 16), torch.full((1, 1, 16), 2.0))
     assert torch.equal(pool.groups[1].k[1, 2, 1], torch.ones(1, 16))
-    assert pool.groups[0].k.abs().sum() == 0 and pool.groups[1].k[0].abs().sum() == 0
+    assert torch.equal(pool.groups[1].v[1, 2, 1], torch.full((1, 16), 2.0))
+    assert (pool.groups[0].k == -1).all() and (pool.groups[1].k[0] == -1).all()
+    assert (pool.groups[1].k != -1).sum() == 16 and (pool.groups[1].v != -1).sum() == 16
 
 
 def test_bytes_per_block_count_each_groups_own_geometry():
