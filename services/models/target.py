@@ -67,7 +67,8 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
 TEXT_MODEL_PREFIX = {"gemma4": "model.language_model."}
 
 
-def _load_text_model(name_or_path: str, config: PreTrainedConfig, *, dtype, revision: str | None) -> PreTrainedModel:
+def _load_text_model(name_or_path: str, config: PreTrainedConfig, *, dtype, revision: str | None,
+                     device: str | torch.device) -> PreTrainedModel:
     """The causal LM of a multimodal checkpoint's text config (Gemma-4's `…ForCausalLM`), with
     the checkpoint's text weights; every text weight must be there, and only other modalities'
     are left unread."""
@@ -81,7 +82,7 @@ def _load_text_model(name_or_path: str, config: PreTrainedConfig, *, dtype, revi
     try:
         model, info = model_class.from_pretrained(
             name_or_path, config=text_config, dtype=dtype, revision=revision, output_loading_info=True,
-            key_mapping={"^" + re.escape(prefix): "model."})
+            key_mapping={"^" + re.escape(prefix): "model."}, device_map=str(torch.device(device)))
     finally:
         report_logger.setLevel(level)
     text_keys = [k for k in info["unexpected_keys"] if k.startswith("model.") and not _other_modality(k)]
@@ -141,14 +142,15 @@ class TargetModel:
         _check_revision(name_or_path, revision)
         try:
             config = AutoConfig.from_pretrained(name_or_path, revision=revision)
+            # Straight to the device: not a copy of every weight in host memory first (16 GB for an 8B target).
             if config.model_type in TEXT_MODEL_PREFIX:
-                model = _load_text_model(name_or_path, config, dtype=dtype, revision=revision)
+                model = _load_text_model(name_or_path, config, dtype=dtype, revision=revision, device=device)
             else:
                 model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=dtype,
-                                                             revision=revision)
+                                                             revision=revision, device_map=str(torch.device(device)))
         except OSError as err:
             raise _cannot_load(name_or_path, err) from err
-        return cls(model.to(device).eval(), layer_ids)
+        return cls(model.eval(), layer_ids)
 
     @property
     def num_layers(self) -> int:
