@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason, StopChecker
+
+if TYPE_CHECKING:  # annotations only: the router's and the replica's processes need no torch for these
+    from dflash_serve.services.engine.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from dflash_serve.services.engine.sampling import SamplingParams
+if TYPE_CHECKING:  # annotations only: the router's and the replica's processes need no torch for these
+    from dflash_serve.services.engine.sampling import SamplingParams
+
 
 
 class FinishReason(enum.StrEnum):

@@ -24,10 +24,13 @@ import threading
 import time
 import uuid
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from dflash_serve.services.config import ServeConfig
 from dflash_serve.services.verifier.engine_metrics import EngineMetrics
-from dflash_serve.services.verifier.output_stream import ReplyTo, StreamLost
+
+if TYPE_CHECKING:  # this module imports no torch: the replica's process starts its engine's process first
+    from dflash_serve.services.verifier.output_stream import ReplyTo
 
 log = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 30.0  # the engine's process answers between steps
@@ -166,7 +169,7 @@ class Verifier:
         try:
             self._process.send(messages)
         except OSError as err:
-            raise StreamLost(f"the engine process of this verifier replica is gone ({err}): retry") from err
+            raise _stream_lost(f"the engine process of this verifier replica is gone ({err}): retry") from err
 
     # -- the engine process's replies (this replica's reading thread) ----------------------------
 
@@ -182,7 +185,7 @@ class Verifier:
                 handlers[message[0]](*message[1:])
         # The process is gone: its routers' streams closed with it; no call may wait forever.
         self._process.wait_exited()
-        lost = StreamLost(f"the engine process of this verifier replica exited ({self._process.describe_exit()}): "
+        lost = _stream_lost(f"the engine process of this verifier replica exited ({self._process.describe_exit()}): "
                           "retry")
         for calls in (self._calls, self._stats):
             for call in list(calls.values()):
@@ -225,7 +228,7 @@ class Verifier:
                     continue
                 self._send([("drafter", address)])
                 return
-        except StreamLost:
+        except ConnectionError:  # _send's: the engine's process is gone
             pass
         finally:
             self._reattaching.release()
@@ -325,6 +328,15 @@ class EngineProcess:
             self.popen.kill()
             self.popen.wait()
         self.conn.close()
+
+
+def _stream_lost(text: str) -> ConnectionError:
+    """A StreamLost (the router answers UNAVAILABLE: retry), imported here and not at the top: the
+    output stream's module imports torch, which this process need not load before its engine's
+    process has started (they would import it one after the other, seconds of every restart)."""
+    from dflash_serve.services.verifier.output_stream import StreamLost
+
+    return StreamLost(text)
 
 
 def _log_record(record: logging.LogRecord) -> None:
