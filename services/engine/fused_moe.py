@@ -8,12 +8,14 @@ The experts' weights are stacked: gate-up [E, 2I, H] (each expert's gate rows, t
 and down [E, H, I] — views of transformers' own expert parameters, which its checkpoint loading
 already stacks in this layout, so no weight is held twice.
 
-The experts run grouped: a token's k (token, expert) pairs are sorted by expert, so each expert's
-rows are one contiguous run; `grouped_expert_ffn` sends each run through its expert's two GEMMs
-(reading only the weights of experts that have rows: at decode and verify sizes, the routed ones);
-the outputs go back to (token, pair) order and each token sums its k outputs, weighted. Only
-`grouped_expert_ffn` loops over experts: a grouped GEMM (`torch._grouped_mm`, a Triton kernel)
-that takes the same sorted rows and per-expert counts replaces it without touching the rest.
+The experts run grouped: the T·k (token, expert) pairs are sorted by expert, so each expert's
+rows are one contiguous run; `grouped_expert_ffn` sends each run through its expert's two GEMMs;
+the outputs go back to (token, pair) order and each token sums its k outputs, weighted. Its
+reference (the CPU path and the tests' oracle) loops over the experts that have rows, reading only
+their weights (at decode and verify sizes, the routed ones), and reads the run ends on the host:
+no CUDA graph can capture it. On a GPU that has it (bfloat16, SM80+) the two GEMMs are each one
+`torch.nn.functional.grouped_mm` over the same run ends, kept on the device (not yet run on a GPU
+here; not measured). A Triton grouped kernel would take the same arguments.
 """
 
 from __future__ import annotations
@@ -28,19 +30,34 @@ from torch.nn import functional as F
 from dflash_serve.kernels import rms_norm
 
 
-def grouped_expert_ffn(rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                       activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """rows [N, H] sorted by expert, `counts[e]` of them expert e's -> each row through its
-    expert: down[e] · activation(gate_up[e] · row), [N, H]. The per-expert loop reads the
-    counts on the host (a sync; no CUDA graph captures it)."""
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def grouped_expert_ffn(rows: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                       activation: Activation) -> torch.Tensor:
+    """rows [N, H] sorted by expert, expert e's from ends[e-1] (0 for the first) to ends[e]
+    (int32 [E]) -> each row through its expert: down[e] · activation(gate_up[e] · row), [N, H]."""
+    if rows.is_cuda and rows.dtype == torch.bfloat16 and torch.cuda.get_device_capability(rows.device) >= (8, 0):
+        return grouped_expert_ffn_grouped_mm(rows, ends, gate_up, down, activation)
+    return grouped_expert_ffn_reference(rows, ends, gate_up, down, activation)
+
+
+def grouped_expert_ffn_reference(rows: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                                 activation: Activation) -> torch.Tensor:
     out = torch.empty_like(rows)
     start = 0
-    for expert, count in enumerate(counts.tolist()):
-        if count:
-            end = start + count
+    for expert, end in enumerate(ends.tolist()):
+        if end > start:
             out[start:end] = F.linear(activation(F.linear(rows[start:end], gate_up[expert])), down[expert])
             start = end
     return out
+
+
+def grouped_expert_ffn_grouped_mm(rows: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                                  activation: Activation) -> torch.Tensor:
+    # grouped_mm multiplies by [E, K, N]: the transposed views of the [E, N, K] linear weights.
+    hidden = activation(F.grouped_mm(rows, gate_up.transpose(1, 2), offs=ends))
+    return F.grouped_mm(hidden, down.transpose(1, 2), offs=ends)
 
 
 @dataclass
@@ -49,10 +66,10 @@ class StackedExperts:
 
     gate_up: torch.Tensor  # [E, 2I, H]
     down: torch.Tensor  # [E, H, I]
-    activation: Callable[[torch.Tensor], torch.Tensor]  # gate-up output [.., 2I] -> [.., I]
+    activation: Activation  # gate-up output [.., 2I] -> [.., I]
 
     @classmethod
-    def from_module(cls, experts: nn.Module, activation: Callable[[torch.Tensor], torch.Tensor]) -> StackedExperts:
+    def from_module(cls, experts: nn.Module, activation: Activation) -> StackedExperts:
         """From transformers' stacked experts (Qwen3MoeExperts, Gemma4TextExperts)."""
         return cls(experts.gate_up_proj.detach(), experts.down_proj.detach(), activation)
 
@@ -63,11 +80,11 @@ class StackedExperts:
     def __call__(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], each token's k experts [T, k] and their weights [T, k] -> [T, H]."""
         tokens, k = expert_ids.shape
-        flat_ids = expert_ids.reshape(-1)
-        # Stable: an expert's rows keep token order.
-        by_expert = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts)
-        sorted_out = grouped_expert_ffn(x[by_expert // k], counts, self.gate_up, self.down, self.activation)
+        # Stable: an expert's rows keep token order. All on the device, without a host sync.
+        sorted_ids, by_expert = torch.sort(expert_ids.reshape(-1), stable=True)
+        expert_after = torch.arange(1, self.num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+        ends = torch.searchsorted(sorted_ids, expert_after).to(torch.int32)
+        sorted_out = grouped_expert_ffn(x[by_expert // k], ends, self.gate_up, self.down, self.activation)
         out = torch.empty_like(sorted_out)
         out[by_expert] = sorted_out
         # Weighted in the weights' dtype (Gemma-4's are float32), cast to the model's before the
@@ -95,7 +112,7 @@ class Qwen3MoeBlock:
     experts: StackedExperts
 
     @classmethod
-    def from_module(cls, block: nn.Module, activation: Callable[[torch.Tensor], torch.Tensor]) -> Qwen3MoeBlock:
+    def from_module(cls, block: nn.Module, activation: Activation) -> Qwen3MoeBlock:
         gate = block.gate
         return cls(gate.weight.detach(), gate.top_k, bool(gate.norm_topk_prob),
                    StackedExperts.from_module(block.experts, activation))
@@ -129,7 +146,7 @@ class Gemma4MoeBlock:
         self.root_size = self.router_proj.shape[1] ** -0.5
 
     @classmethod
-    def from_layer(cls, layer: nn.Module, activation: Callable[[torch.Tensor], torch.Tensor],
+    def from_layer(cls, layer: nn.Module, activation: Activation,
                    norm_weight: Callable[[nn.Module], torch.Tensor]) -> Gemma4MoeBlock:
         """`norm_weight`: a Gemma norm's float32 weight, as the fused layer takes its other norms."""
         router = layer.router

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from dflash_serve.kernels import gelu_tanh_mul, silu_mul
-from dflash_serve.services.engine.fused_moe import Gemma4MoeBlock, Qwen3MoeBlock, StackedExperts, grouped_expert_ffn
+from dflash_serve.services.engine.fused_moe import (
+    Gemma4MoeBlock,
+    Qwen3MoeBlock,
+    StackedExperts,
+    grouped_expert_ffn,
+    grouped_expert_ffn_grouped_mm,
+)
 from dflash_serve.services.engine.fused_target import _gemma_norm_weight
 from tests.targets import gemma4_26b_a4b_twin, qwen3_moe_twin
 
@@ -59,8 +65,21 @@ def test_only_experts_with_rows_have_their_weights_read():
     down = torch.randn(4, 16, 8, dtype=torch.float64)
     gate_up[1], down[1], gate_up[3], down[3] = float("nan"), float("nan"), float("nan"), float("nan")
     rows = _rows(5, 16, torch.float64, seed=8)
-    counts = torch.tensor([2, 0, 3, 0])
-    out = grouped_expert_ffn(rows, counts, gate_up, down, silu_mul)
+    ends = torch.tensor([2, 2, 5, 5], dtype=torch.int32)  # experts 1 and 3 have no rows
+    out = grouped_expert_ffn(rows, ends, gate_up, down, silu_mul)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[2:], silu_mul(rows[2:] @ gate_up[2].T) @ down[2].T)
     torch.testing.assert_close(out[:2], silu_mul(rows[:2] @ gate_up[0].T) @ down[0].T)
+
+
+def test_the_grouped_gemm_computes_what_the_per_expert_loop_does():
+    """torch's grouped_mm (the GPU's path; it has a CPU kernel too) over the same sorted rows and
+    run ends, experts without rows among them, equals the reference loop."""
+    g = torch.Generator().manual_seed(9)
+    gate_up = torch.randn(6, 2 * 16, 32, generator=g) / 32**0.5
+    down = torch.randn(6, 32, 16, generator=g) / 16**0.5
+    rows = _rows(14, 32, torch.float32, seed=10)
+    ends = torch.tensor([3, 3, 8, 9, 9, 14], dtype=torch.int32)
+    want = grouped_expert_ffn(rows, ends, gate_up, down, gelu_tanh_mul)
+    torch.testing.assert_close(grouped_expert_ffn_grouped_mm(rows, ends, gate_up, down, gelu_tanh_mul), want,
+                               rtol=1e-6, atol=1e-6)
