@@ -14,6 +14,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "gemma4")
@@ -80,3 +82,45 @@ def gemma4_e4b_twin(seed: int = 0):
     return _gemma4_twin(seed, True, num_hidden_layers=6, layer_types=GEMMA4_LAYER_TYPES, global_head_dim=16,
                         hidden_size_per_layer_input=8, vocab_size_per_layer_input=96, num_kv_shared_layers=2,
                         use_double_wide_mlp=True)
+
+
+def gemma4_26b_a4b_twin(seed: int = 0):
+    """google/gemma-4-26B-A4B's structure at toy size: the 31B twin's attention (two KV geometries,
+    k_eq_v, layer scalars) and in every layer 8 experts (the real: 128) of intermediate 16 routed
+    top-2 (the real: top-8) beside the dense MLP, with random router input scales and per-expert
+    scales (transformers initializes them to 1, which would hide a skipped scale). Its experts run
+    transformers' expert loop ("eager"): its default grouped_mm has no float64."""
+    model = _gemma4_twin(seed, True, num_hidden_layers=6, layer_types=GEMMA4_LAYER_TYPES, global_head_dim=16,
+                         num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0,
+                         enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16,
+                         experts_implementation="eager")
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.router.scale.copy_(1.0 + 0.5 * torch.randn(layer.router.scale.shape, generator=g))
+            layer.router.per_expert_scale.copy_(0.5 + torch.rand(layer.router.per_expert_scale.shape, generator=g))
+            # Routers far from uniform: each token's top experts clearly apart.
+            layer.router.proj.weight.copy_(torch.randn(layer.router.proj.weight.shape, generator=g))
+    return model
+
+
+def qwen3_moe_twin(seed: int = 0, *, norm_topk_prob: bool = True, decoder_sparse_step: int = 1,
+                   mlp_only_layers: tuple[int, ...] = (0,)):
+    """Qwen3-30B-A3B's structure at toy size (float32, eval): 4 layers, 8 experts (the real: 128)
+    of intermediate 16 routed top-2 (the real: top-8), sparse every `decoder_sparse_step`-th layer
+    but `mlp_only_layers`, which keep a dense MLP. Its experts run transformers' expert loop
+    ("eager"): its default grouped_mm has no float64."""
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, norm_topk_prob=norm_topk_prob, decoder_sparse_step=decoder_sparse_step,
+        mlp_only_layers=list(mlp_only_layers), experts_implementation="eager"))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.5 * torch.randn(param.shape, generator=g))
+            elif name.endswith("mlp.gate.weight"):  # routers far from uniform
+                param.copy_(torch.randn(param.shape, generator=g))
+    return model.float().eval()

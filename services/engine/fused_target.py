@@ -1,4 +1,4 @@
-"""The target's forward for Llama, Qwen2, Qwen3 and Gemma-3/4 dense models, written out with fused kernels.
+"""The target's forward for Llama, Qwen2, Qwen3(-MoE) and Gemma-3/4 models, written out with fused kernels.
 
 Same contract as `TargetRunner.forward` (packed tokens on the paged KV cache -> logits of chosen
 rows and the drafter's features), from the same HF checkpoint, but each decoder layer is nine
@@ -24,6 +24,10 @@ value); KV-shared layers that project queries only and attend over an earlier la
 where a checkpoint has them, a per-layer input (E2B/E4B) and an output scale (`layer_scalar`),
 which add to and scale the residual before the next norm (a few launches more per layer).
 
+Mixture-of-experts blocks (`fused_moe`): Qwen3-MoE's sparse layers route the MLP's normed input
+to their experts in place of the MLP; Gemma-4's (26B-A4B) add experts beside the dense MLP, which
+read the residual stream through their own router and norms.
+
 q/k/v and gate/up are each one GEMM over weights concatenated at load; a GEMM of at most 16 rows
 (decode, a batch-1 verify, the draft) is one launch of `dflash_serve.kernels.SkinnyLinear`'s kernel, where
 cuBLAS would add a split-K reduce (and is slower at these shapes: BENCHMARKS.md); the HF modules' parameters
@@ -32,8 +36,8 @@ model stays usable for plain forwards and training. Feature k (the residual stre
 HF's `hidden_states[k + 1]`) is the sum the next fused add produces, so no hook is needed.
 
 Other architectures, RoPE types whose frequencies change with the sequence (dynamic NTK,
-LongRoPE), partial rotary other than Gemma-4's, and Gemma-4's mixture-of-experts blocks stay on
-`TargetRunner` (`fused_unsupported_reason` names why).
+LongRoPE), and partial rotary other than Gemma-4's stay on `TargetRunner` (`fused_unsupported_reason`
+names why).
 """
 
 from __future__ import annotations
@@ -45,10 +49,11 @@ import torch
 from torch import nn
 
 from dflash_serve.kernels import SkinnyLinear, add_rms_norm, gelu_tanh_mul, paged_attention, rms_norm, rope_kv_write, silu_mul
+from dflash_serve.services.engine.fused_moe import Gemma4MoeBlock, Qwen3MoeBlock
 from dflash_serve.services.engine.kv_cache import AttentionBatch, KVPool
 from dflash_serve.services.models.target import TargetModel
 
-LLAMA_FAMILIES = ("llama", "qwen2", "qwen3")
+LLAMA_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 GEMMA_FAMILIES = ("gemma3_text", "gemma4_text")
 FUSED_FAMILIES = LLAMA_FAMILIES + GEMMA_FAMILIES
 # RoPE types whose inverse frequencies are fixed at load (a cos/sin table per position is exact).
@@ -106,14 +111,14 @@ def _gemma_unsupported_reason(target: TargetModel) -> str | None:
         return "attention logit softcapping (the paged attention kernel has none)"
     if getattr(cfg, "use_bidirectional_attention", None) in (True, "all"):
         return "bidirectional attention over text tokens"
-    if getattr(cfg, "enable_moe_block", False):
-        return "Gemma-4 mixture-of-experts blocks (enable_moe_block)"
     for index, layer in enumerate(target.layers):
         attn = layer.self_attn
         norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                  layer.post_feedforward_layernorm, attn.q_norm]
         norms += [attn.k_norm] if hasattr(attn, "k_proj") else []  # a KV-shared layer has neither
         norms += [layer.post_per_layer_input_norm] if getattr(layer, "hidden_size_per_layer_input", 0) else []
+        norms += [layer.post_feedforward_layernorm_1, layer.pre_feedforward_layernorm_2,
+                  layer.post_feedforward_layernorm_2] if getattr(layer, "enable_moe_block", False) else []
         for norm in norms:
             if type(norm).__name__ not in GEMMA_NORMS or not getattr(norm, "with_scale", True):
                 return f"layer {index}: norm {type(norm).__name__} has no fused equivalent"
@@ -181,8 +186,8 @@ class FusedLayer:
     post_attention_norm: torch.Tensor  # HF's post_attention_layernorm: Llama's MLP input norm, Gemma's attention output norm
     qkv: SkinnyLinear
     o: SkinnyLinear
-    gate_up: SkinnyLinear
-    down: SkinnyLinear
+    gate_up: SkinnyLinear | None  # None: a Qwen3-MoE sparse layer (its experts are its MLP)
+    down: SkinnyLinear | None
     q_norm: torch.Tensor | None  # Qwen3's and Gemma's per-head norms
     k_norm: torch.Tensor | None
     scaling: float
@@ -200,6 +205,7 @@ class FusedLayer:
     keys_from_values: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     layer_scalar: torch.Tensor | None = None  # Gemma-4: the layer's output residual is scaled by it
     per_layer_input: PerLayerInput | None = None  # Gemma-4 E2B/E4B
+    moe: Qwen3MoeBlock | Gemma4MoeBlock | None = None
 
     @classmethod
     def from_layer(cls, layer: nn.Module, *, scaling: float, window: int | None, causal: bool = True,
@@ -207,18 +213,19 @@ class FusedLayer:
         """From a Llama/Qwen-style layer (HF's, or the drafter's: the same module names)."""
         attn, mlp = layer.self_attn, layer.mlp
         qkv, qkv_bias = _merged([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up, gate_up_bias = _merged([mlp.gate_proj, mlp.up_proj])
+        moe = Qwen3MoeBlock.from_module(mlp, silu_mul) if hasattr(mlp, "experts") else None
+        dense = None if moe is not None else _merged([mlp.gate_proj, mlp.up_proj])
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         return cls(
             input_norm=layer.input_layernorm.weight.detach(),
             post_attention_norm=layer.post_attention_layernorm.weight.detach(),
             qkv=SkinnyLinear(qkv, qkv_bias),
             o=SkinnyLinear(attn.o_proj.weight.detach(), _param(attn.o_proj.bias)),
-            gate_up=SkinnyLinear(gate_up, gate_up_bias),
-            down=SkinnyLinear(mlp.down_proj.weight.detach(), _param(mlp.down_proj.bias)),
+            gate_up=None if dense is None else SkinnyLinear(*dense),
+            down=None if dense is None else SkinnyLinear(mlp.down_proj.weight.detach(), _param(mlp.down_proj.bias)),
             q_norm=None if q_norm is None else q_norm.weight.detach(),
             k_norm=None if k_norm is None else k_norm.weight.detach(),
-            scaling=scaling, window=window, causal=causal, rope=rope,
+            scaling=scaling, window=window, causal=causal, rope=rope, moe=moe,
         )
 
     @classmethod
@@ -252,6 +259,8 @@ class FusedLayer:
             layer_scalar=None if scalar is None or bool(torch.all(scalar == 1)) else scalar.detach(),
             per_layer_input=PerLayerInput.from_layer(layer) if getattr(layer, "hidden_size_per_layer_input", 0)
             else None,
+            moe=Gemma4MoeBlock.from_layer(layer, gelu_tanh_mul, _gemma_norm_weight)
+            if getattr(layer, "enable_moe_block", False) else None,
         )
 
 
@@ -310,7 +319,7 @@ class FusedStack:
                     on_residual(index - 1, residual)
             hidden = self._attention(index, layer, x, rope_index, cos, sin, batches)
             x, residual = add_rms_norm(hidden, residual, layer.post_attention_norm, self.eps)
-            hidden = self._mlp(layer, x)
+            hidden = self._mlp(layer, x, residual)
         x, residual = add_rms_norm(hidden, residual, self.final_norm, self.eps)
         if on_residual is not None:
             on_residual(len(self.layers) - 1, residual)
@@ -327,7 +336,7 @@ class FusedStack:
             hidden = self._attention(index, layer, x, rope_index, cos, sin, batches)
             x, residual = add_rms_norm(hidden, residual, layer.pre_feedforward_norm, self.eps,
                                        x_norm_weight=layer.post_attention_norm, scale_in_float32=True)
-            hidden = self._mlp(layer, x)
+            hidden = self._mlp(layer, x, residual)
             next_norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
             if layer.per_layer_input is None and layer.layer_scalar is None:
                 x, residual = add_rms_norm(hidden, residual, next_norm, self.eps,
@@ -369,8 +378,11 @@ class FusedStack:
                                max_query_len=batch.max_query_len, keys_from_values=layer.keys_from_values)
         return layer.o(attn.view(attn.shape[0], -1))
 
-    def _mlp(self, layer: FusedLayer, x: torch.Tensor) -> torch.Tensor:
-        return layer.down(self.activation(layer.gate_up(x)))
+    def _mlp(self, layer: FusedLayer, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The feed-forward output on its normed input x; `residual`: the stream x was normed from
+        (Gemma-4's experts read it)."""
+        dense = None if layer.gate_up is None else layer.down(self.activation(layer.gate_up(x)))
+        return dense if layer.moe is None else layer.moe(x, residual, dense)
 
 
 class FusedTargetRunner:
