@@ -80,3 +80,16 @@ def test_gemma4_layers_of_their_own_kv_geometry_are_no_refusal():
     assert layout == [LayerKV(2, 32, window=512), LayerKV(1, 64, keys_from_values=True)]
     # The global layer's values are stored once: its keys are derived from them.
     assert KVPool.layout_bytes_per_block(layout, 4, torch.float32) == 4 * (2 * 2 * 32 + 64) * 4
+
+
+@pytest.mark.parametrize("twin", ["gemma4_26b_a4b_twin", "qwen3_moe_twin"])
+def test_moe_targets_take_the_fused_forward_on_the_cpu_and_not_yet_on_cuda(twin, monkeypatch):
+    """The fused MoE path is checked against transformers on the CPU only: on a GPU `auto` keeps
+    such targets on transformers' code (and `fused` refuses them) until tests/gpu has run it."""
+    import tests.targets as targets
+    from dflash_serve.services.engine.fused_target import fused_unsupported_reason
+
+    target = TargetModel(getattr(targets, twin)())
+    assert fused_unsupported_reason(target) is None
+    monkeypatch.setattr(TargetModel, "device", property(lambda self: torch.device("cuda")))
+    assert fused_unsupported_reason(target) == "mixture-of-experts blocks on CUDA (the fused MoE path is not yet checked on a GPU)"
