@@ -37,7 +37,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dflash_serve.kernels import SkinnyLinear, add_rms_norm, gelu_tanh_mul, paged_attention, rms_norm, rope_kv_write, silu_mul
+from dflash_serve.kernels import (
+    InvariantLinear,
+    SkinnyLinear,
+    add_rms_norm,
+    gelu_tanh_mul,
+    paged_attention,
+    paged_attention_invariant,
+    rms_norm,
+    rope_kv_write,
+    silu_mul,
+)
 from dflash_serve.services.engine.kv_cache import AttentionBatch, KVPool
 from dflash_serve.services.models.target import TargetModel
 
@@ -50,6 +60,8 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 # transformers' RMSNorm classes with Gemma's float32 scaling, and whether the weight is `1 + w`.
 GEMMA_NORMS = {"Gemma3RMSNorm": True, "Gemma4RMSNorm": False}
 GEMMA_ACTIVATION = "gelu_pytorch_tanh"
+# A layer's GEMMs: SkinnyLinear (fastest), or InvariantLinear (each row's bits independent of the batch).
+Linear = type[SkinnyLinear] | type[InvariantLinear]
 
 
 def fused_unsupported_reason(target: TargetModel) -> str | None:
@@ -178,10 +190,10 @@ class FusedLayer:
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor  # HF's post_attention_layernorm: Llama's MLP input norm, Gemma's attention output norm
-    qkv: SkinnyLinear
-    o: SkinnyLinear
-    gate_up: SkinnyLinear
-    down: SkinnyLinear
+    qkv: SkinnyLinear | InvariantLinear
+    o: SkinnyLinear | InvariantLinear
+    gate_up: SkinnyLinear | InvariantLinear
+    down: SkinnyLinear | InvariantLinear
     q_norm: torch.Tensor | None  # Qwen3's and Gemma's per-head norms
     k_norm: torch.Tensor | None
     scaling: float
@@ -196,8 +208,9 @@ class FusedLayer:
 
     @classmethod
     def from_layer(cls, layer: nn.Module, *, scaling: float, window: int | None, causal: bool = True,
-                   rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> FusedLayer:
-        """From a Llama/Qwen-style layer (HF's, or the drafter's: the same module names)."""
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None, linear: Linear = SkinnyLinear) -> FusedLayer:
+        """From a Llama/Qwen-style layer (HF's, or the drafter's: the same module names); its GEMMs
+        are `linear`s."""
         attn, mlp = layer.self_attn, layer.mlp
         qkv, qkv_bias = _merged([attn.q_proj, attn.k_proj, attn.v_proj])
         gate_up, gate_up_bias = _merged([mlp.gate_proj, mlp.up_proj])
@@ -205,20 +218,22 @@ class FusedLayer:
         return cls(
             input_norm=layer.input_layernorm.weight.detach(),
             post_attention_norm=layer.post_attention_layernorm.weight.detach(),
-            qkv=SkinnyLinear(qkv, qkv_bias),
-            o=SkinnyLinear(attn.o_proj.weight.detach(), _param(attn.o_proj.bias)),
-            gate_up=SkinnyLinear(gate_up, gate_up_bias),
-            down=SkinnyLinear(mlp.down_proj.weight.detach(), _param(mlp.down_proj.bias)),
+            qkv=linear(qkv, qkv_bias),
+            o=linear(attn.o_proj.weight.detach(), _param(attn.o_proj.bias)),
+            gate_up=linear(gate_up, gate_up_bias),
+            down=linear(mlp.down_proj.weight.detach(), _param(mlp.down_proj.bias)),
             q_norm=None if q_norm is None else q_norm.weight.detach(),
             k_norm=None if k_norm is None else k_norm.weight.detach(),
             scaling=scaling, window=window, causal=causal, rope=rope,
         )
 
     @classmethod
-    def from_gemma_layer(cls, layer: nn.Module, *, rope: tuple[torch.Tensor, torch.Tensor]) -> FusedLayer:
+    def from_gemma_layer(cls, layer: nn.Module, *, rope: tuple[torch.Tensor, torch.Tensor],
+                         linear: Linear = SkinnyLinear) -> FusedLayer:
         """From a Gemma-3/4 decoder layer: four norms, q/k norms (and Gemma-4's value norm)."""
         attn = layer.self_attn
-        fused = cls.from_layer(layer, scaling=float(attn.scaling), window=attn.sliding_window, rope=rope)
+        fused = cls.from_layer(layer, scaling=float(attn.scaling), window=attn.sliding_window, rope=rope,
+                               linear=linear)
         fused.input_norm = _gemma_norm_weight(layer.input_layernorm)
         fused.post_attention_norm = _gemma_norm_weight(layer.post_attention_layernorm)
         fused.pre_feedforward_norm = _gemma_norm_weight(layer.pre_feedforward_layernorm)
@@ -233,7 +248,9 @@ class FusedStack:
     """Decoder layers in the fused layout over one paged KV pool: the target's, or the drafter's
     block forward (the same layer, non-causal where the drafter says so).
 
-    `gemma`: the layers are Gemma's (sandwich norms scaled in float32, GELU-tanh MLP)."""
+    `gemma`: the layers are Gemma's (sandwich norms scaled in float32, GELU-tanh MLP).
+    `batch_invariant`: attention by `paged_attention_invariant` (a row's bits independent of the
+    batch; the layers' GEMMs must then be InvariantLinear too)."""
 
     layers: list[FusedLayer]
     final_norm: torch.Tensor
@@ -242,6 +259,7 @@ class FusedStack:
     num_kv_heads: int
     eps: float
     gemma: bool = False
+    batch_invariant: bool = False
 
     def __post_init__(self):
         self.activation: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_mul if self.gemma else silu_mul
@@ -297,7 +315,8 @@ class FusedStack:
                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                           q_norm_weight=layer.q_norm, k_norm_weight=layer.k_norm, eps=self.eps,
                           scale_in_float32=self.gemma, v_norm=layer.v_norm)
-        attn = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start,
+        attention = paged_attention_invariant if self.batch_invariant else paged_attention
+        attn = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start,
                                scale=layer.scaling, causal=layer.causal, window=layer.window,
                                max_query_len=batch.max_query_len)
         return layer.o(attn.view(attn.shape[0], -1))
@@ -307,9 +326,14 @@ class FusedStack:
 
 
 class FusedTargetRunner:
-    """Runs a `TargetModel` of a fused family over packed tokens with its KV in a `KVPool`."""
+    """Runs a `TargetModel` of a fused family over packed tokens with its KV in a `KVPool`.
 
-    def __init__(self, target: TargetModel, pool: KVPool, *, max_positions: int):
+    `deterministic` (`EngineConfig.deterministic`): every GEMM (the LM head's too) is an
+    InvariantLinear and attention is batch-invariant, so a token's logits have the same bits in a
+    decode, a verify or a prefill, whatever else is in the batch (the norms, RoPE, activations and
+    the embedding are per-row kernels already)."""
+
+    def __init__(self, target: TargetModel, pool: KVPool, *, max_positions: int, deterministic: bool = False):
         reason = fused_unsupported_reason(target)
         if reason is not None:
             raise ValueError(f"{type(target.model).__name__}: no fused forward ({reason}); use target_impl=transformers")
@@ -318,21 +342,24 @@ class FusedTargetRunner:
         cfg = target.config
         text_model = _text_model(target)
         gemma = cfg.model_type in GEMMA_FAMILIES
+        linear = InvariantLinear if deterministic else SkinnyLinear
         # One cos/sin table per layer type (Gemma: sliding layers rotate with a local base), shared.
         tables = {kind: self._rope_table(text_model.rotary_emb, kind, max_positions, target.dtype, target.device)
                   for kind in dict.fromkeys(_layer_types(target))}
         with torch.no_grad():
             if gemma:
-                layers = [FusedLayer.from_gemma_layer(layer, rope=tables[kind])
+                layers = [FusedLayer.from_gemma_layer(layer, rope=tables[kind], linear=linear)
                           for layer, kind in zip(target.layers, _layer_types(target), strict=True)]
                 final_norm = _gemma_norm_weight(text_model.norm)
             else:
                 layers = [FusedLayer.from_layer(layer, scaling=float(layer.self_attn.scaling), rope=tables[None],
-                                                window=getattr(layer.self_attn, "sliding_window", None))
+                                                window=getattr(layer.self_attn, "sliding_window", None), linear=linear)
                           for layer in target.layers]
                 final_norm = text_model.norm.weight.detach()
         self.stack = FusedStack(layers, final_norm, pool, cfg.num_attention_heads, _kv_heads(target),
-                                float(cfg.rms_norm_eps), gemma=gemma)
+                                float(cfg.rms_norm_eps), gemma=gemma, batch_invariant=deterministic)
+        # None: the target's own LM head (a SkinnyLinear, which hands more than 16 rows to cuBLAS).
+        self.lm_head = InvariantLinear(target.lm_head.weight, target.lm_head.bias) if deterministic else None
         self.capture: dict[int, list[int]] = {}  # layer -> its feature slots (a layer may be listed twice)
         for slot, k in enumerate(target.layer_ids):
             self.capture.setdefault(k, []).append(slot)
@@ -360,5 +387,5 @@ class FusedTargetRunner:
 
         # Every target layer carries its RoPE table: none is passed to the stack.
         x = self.stack.forward(self.target.embed(input_ids), positions, None, None, batch, keep)
-        logits = self.target.logits(x[logits_rows])
+        logits = self.target.logits(x[logits_rows], self.lm_head)
         return logits, torch.cat(features, dim=-1) if features else None

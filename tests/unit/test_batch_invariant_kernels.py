@@ -124,26 +124,28 @@ WINDOWS = [(True, None), (False, None), (True, 100), (False, 70)]
 
 
 class Sequences:
-    """Paged K/V for SEQ_LENS and a query per position of each, so that the same position's query
-    is the same tensor in a decode, a verify and a prefill call."""
+    """Paged K/V for sequences of `lengths` and a query per position of each, so that the same
+    position's query is the same tensor in a decode, a verify and a prefill call."""
 
-    def __init__(self, dtype, device):
+    def __init__(self, dtype, device, *, lengths=SEQ_LENS, num_kv_heads=NUM_KV_HEADS, group=GROUP,
+                 head_dim=HEAD_DIM):
         g = torch.Generator().manual_seed(0)
-        k_cache, v_cache, block_tables = paged_kv(list(SEQ_LENS.values()), num_kv_heads=NUM_KV_HEADS,
-                                                  head_dim=HEAD_DIM, block_size=BLOCK_SIZE, generator=g)
-        self.index = {name: i for i, name in enumerate(SEQ_LENS)}
+        k_cache, v_cache, block_tables = paged_kv(list(lengths.values()), num_kv_heads=num_kv_heads,
+                                                  head_dim=head_dim, block_size=BLOCK_SIZE, generator=g)
+        self.lengths = lengths
+        self.index = {name: i for i, name in enumerate(lengths)}
         self.k_cache, self.v_cache = k_cache.to(dtype).to(device), v_cache.to(dtype).to(device)
         self.block_tables = block_tables.to(device)
-        self.queries = {name: torch.randn(n, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=g, dtype=torch.float64)
-                        .to(dtype).to(device) for name, n in SEQ_LENS.items()}
+        self.queries = {name: torch.randn(n, num_kv_heads * group, head_dim, generator=g, dtype=torch.float64)
+                        .to(dtype).to(device) for name, n in lengths.items()}
 
     def call(self, parts: list[tuple[str, int]]):
         """Inputs of one attention call over `parts`: (sequence, its last q_len positions as queries)."""
         rows = [self.index[name] for name, _ in parts]
-        q = torch.cat([self.queries[name][SEQ_LENS[name] - q_len :] for name, q_len in parts])
+        q = torch.cat([self.queries[name][self.lengths[name] - q_len :] for name, q_len in parts])
         q_lens = torch.tensor([q_len for _, q_len in parts])
         query_start = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(torch.int32)
-        seq_lens = torch.tensor([SEQ_LENS[name] for name, _ in parts], dtype=torch.int32)
+        seq_lens = torch.tensor([self.lengths[name] for name, _ in parts], dtype=torch.int32)
         device = q.device
         return (q, self.k_cache, self.v_cache, self.block_tables[rows], seq_lens.to(device), query_start.to(device))
 
@@ -169,13 +171,15 @@ def rows_of_a(out, parts, last: int) -> torch.Tensor:
     raise AssertionError("A is not in the call")
 
 
-def assert_a_rows_agree_across_calls(attend, sequences: Sequences, options: dict) -> None:
-    outputs = {name: attend(*sequences.call(parts), **options) for name, parts in CALLS.items()}
-    last_row = {name: rows_of_a(out, CALLS[name], 1) for name, out in outputs.items()}
+def assert_a_rows_agree_across_calls(attend, sequences: Sequences, options: dict, calls=CALLS) -> None:
+    """A's last row has the same bits in every call, its last 16 in every call holding them;
+    `calls` has a "decode-alone" and a "verify-alone" call."""
+    outputs = {name: attend(*sequences.call(parts), **options) for name, parts in calls.items()}
+    last_row = {name: rows_of_a(out, calls[name], 1) for name, out in outputs.items()}
     for name, row in last_row.items():
         assert torch.equal(row, last_row["decode-alone"]), name
-    last_16 = {name: rows_of_a(out, CALLS[name], 16) for name, out in outputs.items()
-               if min(q_len for seq, q_len in CALLS[name] if seq == "A") >= 16}
+    last_16 = {name: rows_of_a(out, calls[name], 16) for name, out in outputs.items()
+               if min(q_len for seq, q_len in calls[name] if seq == "A") >= 16}
     for name, rows in last_16.items():
         assert torch.equal(rows, last_16["verify-alone"]), name
 

@@ -1,0 +1,128 @@
+"""`engine.deterministic`'s target forward: a token's logits have the same bits however it is batched.
+
+One sequence is run through differently shaped forwards — its whole prompt at once; two chunks
+beside other sequences' prefills, the second a verify-sized block; a chunk, then one token per
+forward beside another sequence's decode — and its logits must be the same bits in all. On the CPU
+the batch-invariant kernels run their torch references (bfloat16); the Triton kernels run the same
+forwards on CUDA, else under the interpreter in a child pytest (float16; the interpreter has no
+bfloat16 arithmetic), where the default forward does not pass this test: its GEMMs of up to 16
+rows take SkinnyLinear and larger ones F.linear. Whole engines on a GPU: tests/gpu/test_deterministic_cuda.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_serve.services.config import EngineConfig
+from dflash_serve.services.engine.fused_target import FusedTargetRunner
+from dflash_serve.services.engine.kv_cache import AttentionBatch, BlockAllocator, KVPool
+from dflash_serve.services.engine.loader import target_runner
+from dflash_serve.services.engine.target_runner import TargetRunner
+from dflash_serve.services.models import TargetModel
+from tests.targets import tiny_target
+from tests.unit.test_kernels import DEVICE, ON_CUDA, TRITON_AVAILABLE, TRITON_RUNS_HERE, runs_triton
+
+PAGE = 4
+LENGTHS = {"A": 24, "B": 30, "C": 11}
+# Forwards of each schedule: (sequence, new tokens) per forward. Each ends with all of A's 24 tokens.
+SCHEDULES = {
+    "whole-prompt": [[("A", 24)]],
+    "chunks-beside-prefills-then-a-verify-block": [[("B", 10), ("A", 16)], [("A", 8), ("C", 11), ("B", 6)]],
+    "a-chunk-then-decode-steps-beside-another": [[("A", 16), ("C", 3)]] + [[("C", 1), ("A", 1)]] * 8,
+}
+
+
+def runner_for(family: str, *, deterministic: bool, dtype=torch.bfloat16, device="cpu") -> FusedTargetRunner:
+    target = TargetModel(tiny_target(family, layers=2, seed=1).to(dtype).to(device), (0,))
+    layers, heads, dim = TargetRunner.kv_shape(target)
+    pool = KVPool.allocate(layers, 64, PAGE, heads, dim, dtype, device)
+    return FusedTargetRunner(target, pool, max_positions=64, deterministic=deterministic)
+
+
+def logits_of_a(runner: FusedTargetRunner, schedule) -> torch.Tensor:
+    """A's logits at each of its positions [24, V], from the forwards of `schedule`."""
+    g = torch.Generator().manual_seed(0)
+    device = runner.target.device
+    ids = {name: torch.randint(0, 90, (n,), generator=g).to(device) for name, n in LENGTHS.items()}
+    allocator = BlockAllocator(64, PAGE)
+    tables = {name: [] for name in LENGTHS}
+    for name, n in LENGTHS.items():
+        allocator.grow(tables[name], n)
+    done = dict.fromkeys(LENGTHS, 0)
+    rows_of_a = []
+    for forward in schedule:
+        names = [name for name, _ in forward]
+        lens = [n for _, n in forward]
+        starts = [done[name] for name in names]
+        batch = AttentionBatch.build([tables[name] for name in names], starts, lens, PAGE, device)
+        tokens = torch.cat([ids[name][s : s + n] for name, s, n in zip(names, starts, lens, strict=True)])
+        positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, lens, strict=True)])
+        logits, _ = runner.forward(tokens, positions, batch, torch.arange(tokens.shape[0], device=device))
+        first = sum(lens[: names.index("A")]) if "A" in names else None
+        if first is not None:
+            rows_of_a.append(logits[first : first + dict(forward)["A"]])
+        for name, n in forward:
+            done[name] += n
+    return torch.cat(rows_of_a)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
+def test_deterministic_forward_gives_a_token_the_same_logits_in_any_batch(family):
+    runner = runner_for(family, deterministic=True)
+    by_schedule = {name: logits_of_a(runner, schedule) for name, schedule in SCHEDULES.items()}
+    for name, logits in by_schedule.items():
+        assert torch.equal(logits, by_schedule["whole-prompt"]), name
+    # The same model as the default forward: within bfloat16's rounding of it.
+    default = logits_of_a(runner_for(family, deterministic=False), SCHEDULES["whole-prompt"]).double()
+    error = (by_schedule["whole-prompt"].double() - default).norm() / default.norm()
+    assert error < 2e-2
+
+
+@runs_triton
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if ON_CUDA else []), ids=str)
+def test_deterministic_forward_triton_gives_a_token_the_same_logits_in_any_batch(dtype):
+    runner = runner_for("qwen3", deterministic=True, dtype=dtype, device=DEVICE)
+    by_schedule = {name: logits_of_a(runner, schedule) for name, schedule in SCHEDULES.items()}
+    for name, logits in by_schedule.items():
+        assert torch.equal(logits, by_schedule["whole-prompt"]), name
+
+
+def test_deterministic_runner_uses_the_invariant_kernels_for_every_gemm():
+    runner = runner_for("qwen3", deterministic=True)
+    linears = [getattr(layer, name) for layer in runner.stack.layers for name in ("qkv", "o", "gate_up", "down")]
+    assert all(type(linear).__name__ == "InvariantLinear" for linear in linears)
+    assert type(runner.lm_head).__name__ == "InvariantLinear" and runner.stack.batch_invariant
+    default = runner_for("qwen3", deterministic=False)
+    assert default.lm_head is None and not default.stack.batch_invariant
+
+
+def test_deterministic_needs_the_fused_forward():
+    with pytest.raises(ValueError, match="deterministic=true needs the fused target forward"):
+        EngineConfig(target="tiny", deterministic=True, target_impl="transformers")
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    unfused = TargetModel(Gemma4ForCausalLM(Gemma4TextConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, global_head_dim=8, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=96, max_position_embeddings=64)).float())
+    layers, heads, dim = TargetRunner.kv_shape(unfused)
+    pool = KVPool.allocate(layers, 8, PAGE, heads, dim, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="deterministic=true: Gemma4ForCausalLM has no fused forward"):
+        target_runner("auto", unfused, pool, max_positions=64, deterministic=True)
+
+
+@pytest.mark.skipif(ON_CUDA or TRITON_RUNS_HERE or not TRITON_AVAILABLE,
+                    reason="the Triton tests run in this process (CUDA or TRITON_INTERPRET=1), or triton is absent")
+def test_interpreted_deterministic_forward_in_a_child_pytest():
+    repo = Path(__file__).resolve().parents[2]
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton"],
+        cwd=repo, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600,
+    )
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
