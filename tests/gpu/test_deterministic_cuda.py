@@ -97,11 +97,12 @@ def engine_config(**overrides) -> EngineConfig:
 
 def run_engine(build, prompts: list[list[int]], params, **config) -> list[list[int]]:
     """Every request's output tokens from the engine `build(engine_config(**config))`, which is
-    then freed."""
+    then freed (its target's capture hooks removed: the random pair's HF model outlives it)."""
     engine = build(engine_config(**config))
     try:
         return [seq.output_ids for seq in engine.generate(prompts, params)]
     finally:
+        engine.runner.target.close()
         del engine
         gc.collect()
         torch.cuda.empty_cache()
