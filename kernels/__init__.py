@@ -1,7 +1,8 @@
 """GPU kernels behind small Python APIs, each beside the plain-torch reference that is also its CPU path.
 
 - `paged_attention`: packed variable-length queries over a paged KV cache (causal or not,
-  sliding window, GQA) — target prefill/verify/decode and the drafter's block forward.
+  sliding window, GQA; keys derived from the cached values for Gemma-4's k_eq_v layers) — target
+  prefill/verify/decode and the drafter's block forward.
 - `inject_context_kv`: the drafter's fused k_norm + RoPE + paged cache write of context K/V for all
   draft layers in one launch.
 - `rms_norm`: Qwen3/Llama (or Gemma) RMSNorm in one launch instead of seven; `add_rms_norm` with the

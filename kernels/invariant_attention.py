@@ -17,6 +17,10 @@ and with its place in the tile. Here the arithmetic of a row depends on its key 
   fold, so the split only changes speed;
 - the query tile's size (BLOCK_M), key tile, warps and stages are fixed by the head shape.
 
+With `keys_from_values` (Gemma-4's k_eq_v layers) each key is derived from its cached value as
+`paged_attention` derives it (`derive_keys`; in the kernel, `_key_from_value`): element by element,
+so a key has the same bits whatever else is read beside it.
+
 `paged_attention_invariant_reference` is the CPU path and the test oracle: each query row by itself
 over exactly the keys it sees, so nothing else in the batch can reach it.
 """
@@ -28,7 +32,7 @@ import os
 
 import torch
 
-from dflash_serve.kernels.paged_attention import PROGRAMS_PER_SM, _num_sms
+from dflash_serve.kernels.paged_attention import PROGRAMS_PER_SM, _num_sms, derive_keys
 
 try:
     import triton
@@ -48,10 +52,11 @@ PARTIALS_BUDGET = 64 << 20
 
 
 def paged_attention_invariant(q, k_cache, v_cache, block_tables, seq_lens, query_start, *, scale, causal,
-                              window=None, max_query_len=None, out=None) -> torch.Tensor:
-    """`paged_attention`'s contract (see there), computed batch-invariantly."""
+                              window=None, max_query_len=None, out=None, keys_from_values=None) -> torch.Tensor:
+    """`paged_attention`'s contract (see there), `keys_from_values` included, computed batch-invariantly."""
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start)
-    kwargs = dict(scale=scale, causal=causal, window=window, max_query_len=max_query_len, out=out)
+    kwargs = dict(scale=scale, causal=causal, window=window, max_query_len=max_query_len, out=out,
+                  keys_from_values=keys_from_values)
     if _runs_triton(q):
         return paged_attention_invariant_triton(*args, **kwargs)
     return paged_attention_invariant_reference(*args, **kwargs)
@@ -64,12 +69,13 @@ def _runs_triton(x: torch.Tensor) -> bool:
 
 
 def paged_attention_invariant_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start, *, scale, causal,
-                                        window=None, max_query_len=None, out=None) -> torch.Tensor:
+                                        window=None, max_query_len=None, out=None,
+                                        keys_from_values=None) -> torch.Tensor:
     """Plain torch, one query row at a time over the keys it sees (softmax in float32, float64
     stays float64): the calls that compute a row depend on its position and its sequence's keys
     only. max_query_len is accepted for signature parity and not needed here."""
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    block_size, num_kv_heads, head_dim = v_cache.shape[1:]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q) if out is None else out
     bounds = query_start.tolist()
@@ -84,8 +90,10 @@ def paged_attention_invariant_reference(q, k_cache, v_cache, block_tables, seq_l
                 last = seq_len if window is None else min(seq_len, position + window)
             keys = torch.arange(first, last, device=q.device)
             pages = block_tables[i, keys // block_size].long()
-            k = k_cache[pages, keys % block_size].to(compute_dtype)  # [keys, kv_heads, d]
-            v = v_cache[pages, keys % block_size].to(compute_dtype)
+            values = v_cache[pages, keys % block_size]  # [keys, kv_heads, d]
+            k = (derive_keys(values, keys, keys_from_values) if keys_from_values is not None
+                 else k_cache[pages, keys % block_size]).to(compute_dtype)
+            v = values.to(compute_dtype)
             query = q[row].to(compute_dtype).view(num_kv_heads, group, head_dim)
             probs = (torch.einsum("hgd,khd->hgk", query, k) * scale).softmax(dim=-1)
             out[row] = torch.einsum("hgk,khd->hgd", probs, v).reshape(-1, head_dim).to(q.dtype)
@@ -111,14 +119,23 @@ def choose_num_splits(num_tiles: int, max_chunks: int, partial_bytes: int, devic
 
 
 def paged_attention_invariant_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start, *, scale, causal,
-                                     window=None, max_query_len=None, out=None, num_splits=None) -> torch.Tensor:
+                                     window=None, max_query_len=None, out=None, num_splits=None,
+                                     keys_from_values=None) -> torch.Tensor:
     """The Triton path of `paged_attention_invariant`; num_splits None chooses from the shapes."""
     total_q, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    _, block_size, num_kv_heads, _ = v_cache.shape
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
-    assert num_heads == group * num_kv_heads and k_cache.shape == v_cache.shape and v_cache.shape[-1] == head_dim
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if keys_from_values is None:
+        key_weight, cos, sin = q, q, q  # not read
+        assert k_cache.shape == v_cache.shape and k_cache.stride(-1) == 1
+    else:
+        key_weight, cos, sin = keys_from_values
+        k_cache = v_cache  # not read
+        assert head_dim % 2 == 0 and key_weight.dtype == torch.float32 and key_weight.is_contiguous()
+        assert cos.stride(1) == 1 and sin.stride(1) == 1 and cos.dtype == sin.dtype == v_cache.dtype
+    assert num_heads == group * num_kv_heads and v_cache.shape[-1] == head_dim
+    assert q.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert window is None or window >= 1
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -148,7 +165,9 @@ def paged_attention_invariant_triton(q, k_cache, v_cache, block_tables, seq_lens
         total_q * num_heads, num_heads, scale * math.log2(math.e), window or 0,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        key_weight, cos, sin, cos.stride(0), sin.stride(0),
         **common, PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        KEYS_FROM_VALUES=keys_from_values is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=3 if block_d <= 128 else 2,
     )
@@ -214,9 +233,11 @@ if triton is not None:
         scale_log2, window,
         stride_q_token, stride_q_head, stride_block_tables, stride_out_token, stride_out_head,
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
+        key_weight_ptr, cos_ptr, sin_ptr, stride_cos, stride_sin,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, KEYS_PER_CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, KEYS_FROM_VALUES: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
         """NUM_SPLITS 1: a query tile's chunks, each computed and folded in order, then its rows
         written. Otherwise program `split` computes chunks first + split, + 2 * split, ... of its tile
@@ -244,18 +265,21 @@ if triton is not None:
         acc_run = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for chunk in range(first_chunk + split, end_chunk, NUM_SPLITS):
             # Key tiles from the chunk's start (or the first tile the window reaches), so a key's
-            # tile is fixed by its position, whatever the tile's other queries see.
-            chunk_begin = tl.maximum(chunk * KEYS_PER_CHUNK, key_begin // BLOCK_N * BLOCK_N)
+            # tile is fixed by its position, whatever the tile's other queries see; that tile's keys
+            # before the window are not read (no row sees them).
+            tiles_begin = tl.maximum(chunk * KEYS_PER_CHUNK, key_begin // BLOCK_N * BLOCK_N)
+            chunk_begin = tl.maximum(chunk * KEYS_PER_CHUNK, key_begin)
             chunk_end = tl.minimum((chunk + 1) * KEYS_PER_CHUNK, key_end)
             m_chunk = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_chunk = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc_chunk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             m_chunk, l_chunk, acc_chunk = attend_key_range(
-                q_tile, m_chunk, l_chunk, acc_chunk, chunk_begin, chunk_end, query_pos, window, scale_log2,
-                k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, dims, dim_valid,
+                q_tile, m_chunk, l_chunk, acc_chunk, tiles_begin, chunk_begin, chunk_end, query_pos, window,
+                scale_log2, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, dims, dim_valid,
                 stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
-                PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
-                DOT_PRECISION=DOT_PRECISION,
+                key_weight_ptr, cos_ptr, sin_ptr, stride_cos, stride_sin,
+                HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
+                KEYS_FROM_VALUES=KEYS_FROM_VALUES, DOT_PRECISION=DOT_PRECISION,
             )
             if NUM_SPLITS == 1:
                 m_run, l_run, acc_run = _fold_chunk(m_run, l_run, acc_run, m_chunk, l_chunk, acc_chunk)

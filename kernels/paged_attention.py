@@ -6,6 +6,11 @@ Sequence i has seq_lens[i] keys at cache positions 0..seq_lens[i]-1, and its q_l
 the LAST q_len_i of those positions, so a query at position p sees key k when k < seq_lens[i] and
     causal: k <= p;    window W: p - k < W (and, when not causal, k - p < W).
 
+A layer may store its values only and have its keys derived from them as they are read
+(`keys_from_values`: Gemma-4's `attention_k_eq_v`, whose keys and values are one projection, the
+keys k-normed and rotated, the values normed without a weight): key = RoPE(value · w) at the key's
+position, rounded as the writing kernel rounds, so the cache holds that layer's K/V once.
+
 `paged_attention_reference` is the plain-torch definition (test oracle), one sequence at a time;
 `paged_attention_batched` is the same math over many sequences per call (the CPU path);
 `paged_attention_triton` is the GPU kernel; `paged_attention` picks between them.
@@ -32,22 +37,25 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, *, scale, causal, window=None,
-                    max_query_len=None, out=None) -> torch.Tensor:
+                    max_query_len=None, out=None, keys_from_values=None) -> torch.Tensor:
     """q [total_q, num_heads, head_dim] packed by sequence -> attention output, same shape and dtype.
 
     k_cache, v_cache: one layer, [num_blocks, block_size, num_kv_heads, head_dim].
+    keys_from_values: (w [head_dim] float32, cos, sin [max_positions, head_dim/2] in the cache's
+    dtype): k_cache is None and each key is RoPE(value · w) at its position.
     block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs] (keys per sequence, the
     queries' own included); query_start int32 [num_seqs + 1] (cumulative query counts).
     max_query_len: host bound on any q_len; given, the call makes no host sync (CUDA-graph safe).
     out: optional buffer shaped and typed like q to write into (a CUDA graph's static output).
     Rows of q past query_start[-1] (padding) get unspecified values.
     """
-    if flash_backend.can_serve(q, k_cache, seq_lens, max_query_len):
+    if keys_from_values is None and flash_backend.can_serve(q, k_cache, seq_lens, max_query_len):
         result = flash_backend.flash_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
                                                      causal=causal, window=window, max_query_len=max_query_len)
         return result if out is None else out.copy_(result)
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start)
-    kwargs = dict(scale=scale, causal=causal, window=window, max_query_len=max_query_len, out=out)
+    kwargs = dict(scale=scale, causal=causal, window=window, max_query_len=max_query_len, out=out,
+                  keys_from_values=keys_from_values)
     if _runs_triton(q):
         return paged_attention_triton(*args, **kwargs)
     return paged_attention_batched(*args, **kwargs)
@@ -75,14 +83,25 @@ def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, *, 
     return visible
 
 
+def derive_keys(values: torch.Tensor, positions: torch.Tensor, keys_from_values) -> torch.Tensor:
+    """Keys of a `keys_from_values` layer: values [..., keys, kv_heads, D] (the cache's dtype) at
+    positions [..., keys] -> RoPE(values · w), rounded as `rope_kv_write` rounds a key it writes."""
+    weight, cos, sin = keys_from_values
+    normed = (values.to(torch.promote_types(values.dtype, torch.float32)) * weight).to(values.dtype)
+    c, s = cos[positions].to(values.dtype), sin[positions].to(values.dtype)
+    c, s = torch.cat([c, c], dim=-1)[..., None, :], torch.cat([s, s], dim=-1)[..., None, :]
+    first, second = normed.chunk(2, dim=-1)
+    return normed * c + torch.cat([-second, first], dim=-1) * s
+
+
 def paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start, *, scale, causal,
-                              window=None, max_query_len=None, out=None) -> torch.Tensor:
+                              window=None, max_query_len=None, out=None, keys_from_values=None) -> torch.Tensor:
     """Plain torch, one sequence at a time; softmax in float32 (float64 inputs stay float64).
 
     max_query_len is accepted for signature parity and not needed here.
     """
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size, num_kv_heads = v_cache.shape[1], v_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q) if out is None else out
     bounds = query_start.tolist()
@@ -92,8 +111,11 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query
             continue
         key_positions = torch.arange(seq_len, device=q.device)
         pages = block_tables[i, key_positions // block_size].long()
-        k = k_cache[pages, key_positions % block_size].to(compute_dtype).repeat_interleave(group, dim=1)
-        v = v_cache[pages, key_positions % block_size].to(compute_dtype).repeat_interleave(group, dim=1)
+        values = v_cache[pages, key_positions % block_size]
+        keys = (derive_keys(values, key_positions, keys_from_values) if keys_from_values is not None
+                else k_cache[pages, key_positions % block_size])
+        k = keys.to(compute_dtype).repeat_interleave(group, dim=1)
+        v = values.to(compute_dtype).repeat_interleave(group, dim=1)
         query_positions = torch.arange(seq_len - (end - begin), seq_len, device=q.device)
         scores = torch.einsum("qhd,khd->hqk", q[begin:end].to(compute_dtype), k) * scale
         visible = visible_keys(query_positions, key_positions, causal=causal, window=window)
@@ -108,7 +130,7 @@ BATCHED_KEYS_BUDGET = 1 << 26
 
 
 def paged_attention_batched(q, k_cache, v_cache, block_tables, seq_lens, query_start, *, scale, causal,
-                            window=None, max_query_len=None, out=None) -> torch.Tensor:
+                            window=None, max_query_len=None, out=None, keys_from_values=None) -> torch.Tensor:
     """`paged_attention_reference`'s math over many sequences per call (the CPU path).
 
     Sequences with the same number of queries — every sequence of a round, prefill chunks of equal
@@ -125,7 +147,7 @@ def paged_attention_batched(q, k_cache, v_cache, block_tables, seq_lens, query_s
             by_query_len[bounds[i + 1] - bounds[i]].append(i)
     for q_len, seqs in by_query_len.items():
         # Per sequence: its gathered keys and values, and a score (or mask entry) per head and query.
-        per_seq = max(lens[i] for i in seqs) * (2 * k_cache.shape[2] * k_cache.shape[3] + q.shape[1] * q_len)
+        per_seq = max(lens[i] for i in seqs) * (2 * v_cache.shape[2] * v_cache.shape[3] + q.shape[1] * q_len)
         step = max(1, BATCHED_KEYS_BUDGET // per_seq)
         for first in range(0, len(seqs), step):
             part = seqs[first : first + step]
@@ -134,20 +156,26 @@ def paged_attention_batched(q, k_cache, v_cache, block_tables, seq_lens, query_s
             out[rows] = _attend_equal_query_lens(
                 q[rows].to(compute_dtype), k_cache, v_cache, block_tables[part].long(),
                 torch.tensor([lens[i] for i in part], device=q.device), scale=scale, causal=causal, window=window,
+                keys_from_values=keys_from_values,
             ).to(q.dtype)
     return out
 
 
-def _attend_equal_query_lens(q, k_cache, v_cache, block_tables, seq_lens, *, scale, causal, window) -> torch.Tensor:
+def _attend_equal_query_lens(q, k_cache, v_cache, block_tables, seq_lens, *, scale, causal, window,
+                             keys_from_values=None) -> torch.Tensor:
     """n sequences with the same number of queries: q [n*q_len, heads, d] -> output, same shape."""
     n = seq_lens.shape[0]
     q_len = q.shape[0] // n
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    block_size, num_kv_heads, head_dim = v_cache.shape[1:]
     pages = block_tables[:, : -(-int(seq_lens.max()) // block_size)].flatten()
     num_keys = pages.shape[0] // n * block_size
-    k = k_cache.index_select(0, pages).view(n, num_keys, num_kv_heads, head_dim).to(q.dtype)
-    v = v_cache.index_select(0, pages).view(n, num_keys, num_kv_heads, head_dim).to(q.dtype)
     key_positions = torch.arange(num_keys, device=q.device)
+    values = v_cache.index_select(0, pages).view(n, num_keys, num_kv_heads, head_dim)
+    if keys_from_values is not None:  # positions past the table belong to no sequence: masked below
+        keys = derive_keys(values, key_positions.clamp(max=keys_from_values[1].shape[0] - 1), keys_from_values)
+    else:
+        keys = k_cache.index_select(0, pages).view(n, num_keys, num_kv_heads, head_dim)
+    k, v = keys.to(q.dtype), values.to(q.dtype)
     owned = key_positions < seq_lens[:, None]  # [n, keys]
     # Keys past a sequence's length belong to another sequence or none: masked, and zeroed too
     # (the copies here), since a masked score of a NaN key is still NaN and 0 · NaN is NaN.
@@ -195,19 +223,28 @@ def choose_num_kv_splits(num_programs: int, max_keys: int, device: torch.device)
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start, *, scale, causal, window=None,
-                           max_query_len=None, out=None, num_kv_splits=None) -> torch.Tensor:
+                           max_query_len=None, out=None, num_kv_splits=None, keys_from_values=None) -> torch.Tensor:
     """The Triton path of `paged_attention`; num_kv_splits None chooses from the shapes alone.
 
     One program per (query tile, sequence, kv head, kv split). A query tile packs the queries of
     all `group` heads that share the kv head (rows = q_len × group), so each key tile is loaded
-    once for the whole group and the M dimension of the dots is filled even at q_len 1.
+    once for the whole group and the M dimension of the dots is filled even at q_len 1. With
+    `keys_from_values` each key tile is computed from its value tile.
     """
     total_q, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    _, block_size, num_kv_heads, _ = v_cache.shape
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
-    assert num_heads == group * num_kv_heads and k_cache.shape == v_cache.shape and v_cache.shape[-1] == head_dim
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if keys_from_values is None:
+        key_weight, cos, sin = q, q, q  # not read
+        assert k_cache.shape == v_cache.shape and k_cache.stride(-1) == 1
+    else:
+        key_weight, cos, sin = keys_from_values
+        k_cache = v_cache  # not read
+        assert head_dim % 2 == 0 and key_weight.dtype == torch.float32 and key_weight.is_contiguous()
+        assert cos.stride(1) == 1 and sin.stride(1) == 1 and cos.dtype == sin.dtype == v_cache.dtype
+    assert num_heads == group * num_kv_heads and v_cache.shape[-1] == head_dim
+    assert q.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert window is None or window >= 1
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -234,14 +271,15 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
 
     _paged_attention_kernel[(num_q_tiles, num_seqs, num_kv_heads * num_kv_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start, out, partial_out, partial_lse, total_q * num_heads,
-        num_heads, scale * math.log2(math.e), window or 0,
+        num_heads, scale * math.log2(math.e), window or 0, key_weight, cos, sin,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=block_size, GROUP=group,
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_WINDOW=window is not None,
+        KEYS_FROM_VALUES=keys_from_values is not None,
         # float32 (a debugging dtype here) stays float32: no tf32 rounding in the dots.
         NUM_SPLITS=num_kv_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=3 if block_d <= 128 else 2,
@@ -258,24 +296,56 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
 if triton is not None:
 
     @triton.jit
+    def _key_from_value(v_cache_ptr, v_offsets, key_pos, kv_mask, dims, dim_valid, key_weight_ptr, cos_ptr, sin_ptr,
+                        stride_cos, stride_sin, HEAD_DIM: tl.constexpr):
+        """A key tile RoPE(v · w) from the value tile at `v_offsets`, rounded after each op in the
+        cache dtype as `rope_kv_write` rounds the keys it writes."""
+        HALF: tl.constexpr = HEAD_DIM // 2
+        dtype = v_cache_ptr.dtype.element_ty
+        # rotate_half(x)[d] = -x[d + HALF] for d < HALF, x[d - HALF] above.
+        partner = (dims + HALF) % HEAD_DIM
+        value = tl.load(v_cache_ptr + v_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        value_partner = tl.load(v_cache_ptr + v_offsets[:, None] + partner[None, :], mask=kv_mask, other=0.0)
+        w = tl.load(key_weight_ptr + dims, mask=dim_valid, other=0.0)[None, :]
+        w_partner = tl.load(key_weight_ptr + partner, mask=dim_valid, other=0.0)[None, :]
+        normed = (value * w).to(dtype).to(tl.float32)
+        normed_partner = (value_partner.to(tl.float32) * w_partner).to(dtype).to(tl.float32)
+        half_dims = (dims % HALF)[None, :]
+        cos = tl.load(cos_ptr + key_pos[:, None] * stride_cos + half_dims, mask=kv_mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + key_pos[:, None] * stride_sin + half_dims, mask=kv_mask, other=0.0).to(tl.float32)
+        sign = tl.where(dims < HALF, -1.0, 1.0)[None, :]
+        rotated = (normed * cos).to(dtype).to(tl.float32) + sign * (normed_partner * sin).to(dtype).to(tl.float32)
+        return rotated.to(dtype)
+
+    @triton.jit
     def attend_key_range(
-        q_tile, m_i, l_i, acc, key_begin, key_end, query_pos, window, scale_log2,
+        q_tile, m_i, l_i, acc, tiles_begin, key_begin, key_end, query_pos, window, scale_log2,
         k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, dims, dim_valid,
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
-        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        key_weight_ptr, cos_ptr, sin_ptr, stride_cos, stride_sin,
+        HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, KEYS_FROM_VALUES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         """Online softmax of a query tile over keys key_begin to key_end - 1 of one sequence (its block
-        table row), BLOCK_N keys at a time from key_begin, continuing the running max m_i (log2
-        units), sum l_i and unnormalised output acc; keys a row may not see count for nothing."""
-        for tile_begin in range(key_begin, key_end, BLOCK_N):
+        table row), BLOCK_N keys at a time from tiles_begin (<= key_begin), continuing the running max
+        m_i (log2 units), sum l_i and unnormalised output acc; keys a row may not see count for
+        nothing. Keys before key_begin (the start of the first tile, when tiles_begin is below it) are
+        not read: no row sees them, a window slot's entry there may be stale (`BlockAllocator`), and a
+        stale NaN value would reach acc through 0 · v. With KEYS_FROM_VALUES each key tile is derived
+        from its value tile (`_key_from_value`)."""
+        for tile_begin in range(tiles_begin, key_end, BLOCK_N):
             key_pos = tile_begin + tl.arange(0, BLOCK_N)
-            key_valid = key_pos < key_end
+            key_valid = (key_pos >= key_begin) & (key_pos < key_end)
             page = tl.load(block_table_ptr + key_pos // PAGE_SIZE, mask=key_valid, other=0)
             page = page.to(tl.int64)
             kv_mask = key_valid[:, None] & dim_valid[None, :]
-            k_offsets = page * stride_k_block + (key_pos % PAGE_SIZE) * stride_k_offset + kv_head * stride_k_head
-            k = tl.load(k_cache_ptr + k_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            v_offsets = page * stride_v_block + (key_pos % PAGE_SIZE) * stride_v_offset + kv_head * stride_v_head
+            if KEYS_FROM_VALUES:
+                k = _key_from_value(v_cache_ptr, v_offsets, key_pos, kv_mask, dims, dim_valid, key_weight_ptr, cos_ptr,
+                                    sin_ptr, stride_cos, stride_sin, HEAD_DIM)
+            else:
+                k_offsets = page * stride_k_block + (key_pos % PAGE_SIZE) * stride_k_offset + kv_head * stride_k_head
+                k = tl.load(k_cache_ptr + k_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
 
             scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             visible = key_valid[None, :]
@@ -293,7 +363,6 @@ if triton is not None:
             p = tl.exp2(scores - m_shift[:, None])
             alpha = tl.exp2(m_i - m_shift)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v_offsets = page * stride_v_block + (key_pos % PAGE_SIZE) * stride_v_offset + kv_head * stride_v_head
             v = tl.load(v_cache_ptr + v_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
@@ -305,15 +374,15 @@ if triton is not None:
     def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
         out_ptr, partial_out_ptr, partial_lse_ptr, partial_rows_per_split, num_heads,
-        scale_log2, window,
+        scale_log2, window, key_weight_ptr, cos_ptr, sin_ptr,
         stride_q_token, stride_q_head,
         stride_k_block, stride_k_offset, stride_k_head,
         stride_v_block, stride_v_offset, stride_v_head,
         stride_block_tables,
-        stride_out_token, stride_out_head,
+        stride_out_token, stride_out_head, stride_cos, stride_sin,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        KEYS_FROM_VALUES: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         QUERIES_PER_TILE: tl.constexpr = BLOCK_M // GROUP
         tile = tl.program_id(0)
@@ -359,10 +428,12 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         m_i, l_i, acc = attend_key_range(
-            q_tile, m_i, l_i, acc, split_begin, split_end, query_pos, window, scale_log2,
+            q_tile, m_i, l_i, acc, split_begin, split_begin, split_end, query_pos, window, scale_log2,
             k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_block_tables, kv_head, dims, dim_valid,
             stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
-            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, DOT_PRECISION=DOT_PRECISION,
+            key_weight_ptr, cos_ptr, sin_ptr, stride_cos, stride_sin,
+            HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
+            KEYS_FROM_VALUES=KEYS_FROM_VALUES, DOT_PRECISION=DOT_PRECISION,
         )
 
         token = q_begin + query

@@ -30,16 +30,23 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def rope_kv_write(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, *, num_heads, num_kv_heads,
                   q_norm_weight=None, k_norm_weight=None, eps=0.0, scale_in_float32=False,
-                  v_norm=False) -> torch.Tensor:
+                  v_norm=False, values_from_keys=False) -> torch.Tensor:
     """qkv [T, (H + 2·KV)·D] (q heads, then k, then v) -> the rotated queries [T, H, D]; the rotated
     keys and the values go to flat slots `slot_mapping` [T] of one layer's k_cache / v_cache
     [num_blocks, block_size, KV, D]. cos, sin: [max_positions, D/2] in qkv's dtype (a rotate-half
     table's two halves are equal, so only one is kept). q/k norm weights [D], or None (Llama, Qwen2);
     `scale_in_float32`: Gemma's norm (see dflash_serve.kernels.rms_norm); `v_norm`: values RMS-normed without a
-    weight (Gemma-4)."""
+    weight (Gemma-4).
+
+    `values_from_keys` (Gemma-4's `attention_k_eq_v`): qkv is [T, (H + KV)·D] and the values are
+    the key projection's raw heads (normed as values, not rotated); with k_cache None only they are
+    written (the attention derives each key from its value: `paged_attention(keys_from_values=…)`).
+    k_cache and v_cache None: qkv holds queries only (a layer reading an earlier layer's K/V) and
+    nothing is written."""
     args = (qkv, positions, cos, sin, slot_mapping, k_cache, v_cache)
     kwargs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, q_norm_weight=q_norm_weight,
-                  k_norm_weight=k_norm_weight, eps=eps, scale_in_float32=scale_in_float32, v_norm=v_norm)
+                  k_norm_weight=k_norm_weight, eps=eps, scale_in_float32=scale_in_float32, v_norm=v_norm,
+                  values_from_keys=values_from_keys)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if triton is not None and qkv.dtype in TRITON_DTYPES and (qkv.is_cuda or interpret):
         return rope_kv_write_triton(*args, **kwargs)
@@ -51,25 +58,35 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-second, first], dim=-1)
 
 
+def _kv_head_sets(v_cache, values_from_keys: bool) -> int:
+    """How many sets of KV heads follow the query heads in qkv: k and v, k alone, or none."""
+    return 0 if v_cache is None else 1 if values_from_keys else 2
+
+
 def rope_kv_write_reference(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, *, num_heads, num_kv_heads,
                             q_norm_weight=None, k_norm_weight=None, eps=0.0, scale_in_float32=False,
-                            v_norm=False) -> torch.Tensor:
-    head_dim = k_cache.shape[-1]
-    heads = qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, head_dim)
-    q, k, v = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+                            v_norm=False, values_from_keys=False) -> torch.Tensor:
+    head_dim = qkv.shape[1] // (num_heads + _kv_head_sets(v_cache, values_from_keys) * num_kv_heads)
+    heads = qkv.view(qkv.shape[0], -1, head_dim)
+    q = heads[:, :num_heads]
     if q_norm_weight is not None:
         q = rms_norm_reference(q, q_norm_weight, eps, scale_in_float32=scale_in_float32)
-    if k_norm_weight is not None:
-        k = rms_norm_reference(k, k_norm_weight, eps, scale_in_float32=scale_in_float32)
-    if v_norm:
-        v = rms_norm_reference(v, None, eps, scale_in_float32=True)
     c = cos[positions].to(q.dtype)
     s = sin[positions].to(q.dtype)
     c, s = torch.cat([c, c], dim=-1)[:, None], torch.cat([s, s], dim=-1)[:, None]
     q = q * c + _rotate_half(q) * s
-    k = k * c + _rotate_half(k) * s
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    if v_cache is None:
+        return q.contiguous()
+    k = heads[:, num_heads:num_heads + num_kv_heads]
+    v = k if values_from_keys else heads[:, num_heads + num_kv_heads:]
+    if v_norm:
+        v = rms_norm_reference(v, None, eps, scale_in_float32=True)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if k_cache is not None:
+        if k_norm_weight is not None:
+            k = rms_norm_reference(k, k_norm_weight, eps, scale_in_float32=scale_in_float32)
+        k = k * c + _rotate_half(k) * s
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     return q.contiguous()
 
 
@@ -83,14 +100,25 @@ FEW_TOKENS = 8  # below this, a program per head
 
 def rope_kv_write_triton(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, *, num_heads, num_kv_heads,
                          q_norm_weight=None, k_norm_weight=None, eps=0.0, scale_in_float32=False,
-                         v_norm=False) -> torch.Tensor:
-    """One program per (token, tile of HEADS_PER_PROGRAM heads) over the q, then k, then v heads."""
+                         v_norm=False, values_from_keys=False) -> torch.Tensor:
+    """One program per (token, tile of HEADS_PER_PROGRAM heads) over the q, then k, then v heads
+    (the v heads read the k heads' rows when `values_from_keys`)."""
     num_tokens = qkv.shape[0]
-    head_dim = k_cache.shape[-1]
-    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
-    assert head_dim % 2 == 0 and k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert cos.stride(1) == 1 and sin.stride(1) == 1 and cos.dtype == sin.dtype == qkv.dtype
+    if v_cache is None:  # queries only: no KV head is a row of the grid, the cache pointers are never stored to
+        num_kv_heads = 0
+    head_dim = qkv.shape[1] // (num_heads + _kv_head_sets(v_cache, values_from_keys) * num_kv_heads)
+    assert qkv.shape[1] == (num_heads + _kv_head_sets(v_cache, values_from_keys) * num_kv_heads) * head_dim
+    assert qkv.stride(1) == 1 and head_dim % 2 == 0
+    assert k_cache is not None or v_cache is None or values_from_keys, "values alone are written only from keys"
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    write_keys = k_cache is not None
+    if v_cache is None:
+        v_cache = q
+    if k_cache is None:
+        k_cache = v_cache
+    assert k_cache.shape[-1] == head_dim and k_cache.shape == v_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert cos.stride(1) == 1 and sin.stride(1) == 1 and cos.dtype == sin.dtype == qkv.dtype
     if num_tokens == 0:
         return q
     has_q_norm, has_k_norm = q_norm_weight is not None, k_norm_weight is not None
@@ -103,7 +131,8 @@ def rope_kv_write_triton(qkv, positions, cos, sin, slot_mapping, k_cache, v_cach
         qkv.stride(0), cos.stride(0), sin.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, HAS_Q_NORM=has_q_norm, HAS_K_NORM=has_k_norm,
-        HAS_V_NORM=v_norm, SCALE_IN_FLOAT32=scale_in_float32, num_warps=max(1, min(4, block_heads * block_half // 256)),
+        HAS_V_NORM=v_norm, SCALE_IN_FLOAT32=scale_in_float32, VALUES_FROM_KEYS=values_from_keys, WRITE_KEYS=write_keys,
+        num_warps=max(1, min(4, block_heads * block_half // 256)),
     )
     return q
 
@@ -136,7 +165,8 @@ if triton is not None:
         stride_qkv_token, stride_cos, stride_sin,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
-        HAS_V_NORM: tl.constexpr, SCALE_IN_FLOAT32: tl.constexpr,
+        HAS_V_NORM: tl.constexpr, SCALE_IN_FLOAT32: tl.constexpr, VALUES_FROM_KEYS: tl.constexpr,
+        WRITE_KEYS: tl.constexpr,
     ):
         HALF: tl.constexpr = HEAD_DIM // 2
         token = tl.program_id(0).to(tl.int64)
@@ -148,7 +178,9 @@ if triton is not None:
         is_v = (head >= NUM_HEADS + NUM_KV_HEADS) & (head < NUM_HEADS + 2 * NUM_KV_HEADS)
         dims = tl.arange(0, BLOCK_HALF)
         mask = (is_q | is_k | is_v)[:, None] & (dims < HALF)[None, :]
-        src = qkv_ptr + token * stride_qkv_token + head[:, None] * HEAD_DIM + dims[None, :]
+        # With VALUES_FROM_KEYS the projection has no value heads: the v rows read the k heads.
+        src_head = tl.where(is_v, head - NUM_KV_HEADS, head) if VALUES_FROM_KEYS else head
+        src = qkv_ptr + token * stride_qkv_token + src_head[:, None] * HEAD_DIM + dims[None, :]
         first = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         second = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
 
@@ -186,7 +218,8 @@ if triton is not None:
         q_mask, k_mask, v_mask = mask & is_q[:, None], mask & is_k[:, None], mask & is_v[:, None]
         tl.store(q_dst, out_first, mask=q_mask)
         tl.store(q_dst + HALF, out_second, mask=q_mask)
-        tl.store(k_dst, out_first, mask=k_mask)
-        tl.store(k_dst + HALF, out_second, mask=k_mask)
+        if WRITE_KEYS:  # not where the attention derives the keys from the values
+            tl.store(k_dst, out_first, mask=k_mask)
+            tl.store(k_dst + HALF, out_second, mask=k_mask)
         tl.store(v_dst, out_first, mask=v_mask)
         tl.store(v_dst + HALF, out_second, mask=v_mask)

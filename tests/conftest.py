@@ -86,6 +86,16 @@ def random_drafter(cfg: dict, seed: int = 0, dtype: torch.dtype = torch.float64)
     return model.eval()
 
 
+def gemma4_drafter(*, block_size: int, seed: int, vocab_size: int = 96) -> DFlashDraftModel:
+    """The z-lab Gemma-4 drafter layout at toy size, for the 6-layer twins of tests/targets.py: a
+    sliding-window layer (causal) then a full one, 3 target features for 2 layers, Gemma-4's
+    <mask> (4) as the mask token; float32."""
+    cfg = drafter_config(block_size=block_size, vocab_size=vocab_size, num_target_layers=6, num_hidden_layers=2,
+                         layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+                         dflash_config={"mask_token_id": 4, "target_layer_ids": [1, 2, 4]})
+    return random_drafter(cfg, seed=seed, dtype=torch.float32)
+
+
 # Test files whose tests share a server that a session fixture starts (tests/integration's
 # ray_serve: a Ray cluster with Serve): under pytest-xdist they run in one worker, one after the other.
 SHARED_SERVER_FILES = ("tests/integration/test_openai.py", "tests/integration/test_serve.py")

@@ -36,6 +36,24 @@ def save_tiny_pair(root: Path, *, block_size: int) -> tuple[str, str]:
     return str(target_dir), str(drafter_dir)
 
 
+def save_gemma4_pair(root: Path, *, block_size: int) -> tuple[str, str]:
+    """google/gemma-4-31B's structure at toy size (tests/targets.py) with the tokenizer and chat
+    template above, and a drafter of the z-lab Gemma-4 layout; returns their paths."""
+    from transformers import PreTrainedTokenizerFast
+
+    from dflash_serve.services.models import save_drafter
+    from tests.conftest import gemma4_drafter
+    from tests.targets import gemma4_31b_twin
+
+    target_dir, drafter_dir = root / "gemma4-target", root / "gemma4-drafter"
+    gemma4_31b_twin(seed=3, vocab_size=VOCAB).save_pretrained(target_dir)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=train_tiny_tokenizer(VOCAB), eos_token="<eos>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(target_dir)
+    save_drafter(gemma4_drafter(block_size=block_size, seed=4, vocab_size=VOCAB), drafter_dir)
+    return str(target_dir), str(drafter_dir)
+
+
 async def run_request(verifier, prompt_ids: list[int], params, request_id: str = "r") -> list:
     """One request through a Verifier in this process as a router sends it: the outputs that
     arrive over the router's output stream, up to the finished one."""

@@ -40,3 +40,43 @@ def tiny_target(family: str, *, layers: int = 8, hidden: int = 32, vocab: int = 
     else:
         raise ValueError(family)
     return model.to(torch.float64).eval()
+
+
+def _gemma4_twin(seed: int, layer_scalars: bool, **config):
+    """A Gemma-4 text model with random norm weights and layer scalars (transformers initializes
+    them to 0 or 1, which would hide a wrong `1 + w` or a skipped scale), float32, eval mode."""
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**{
+        "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "max_position_embeddings": 512, "sliding_window": 5, "final_logit_softcapping": 30.0, **config}))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.5 * torch.randn(param.shape, generator=g))
+        if layer_scalars:
+            for layer in model.model.layers:
+                layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=g))
+    return model.float().eval()
+
+
+GEMMA4_LAYER_TYPES = ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]
+
+
+def gemma4_31b_twin(seed: int = 0, vocab_size: int = 96):
+    """google/gemma-4-31B's structure at toy size: sliding layers of 2 KV heads of 8 (the real:
+    16 of 256), global layers of 1 KV head of 16 (the real: 4 of 512) whose values are their keys
+    (attention_k_eq_v), proportional RoPE on a quarter of the global head, layer scalars, the
+    final logit softcap (30)."""
+    return _gemma4_twin(seed, True, num_hidden_layers=6, layer_types=GEMMA4_LAYER_TYPES, global_head_dim=16,
+                        num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0,
+                        vocab_size=vocab_size)
+
+
+def gemma4_e4b_twin(seed: int = 0):
+    """google/gemma-4-E4B's structure at toy size: per-layer input embeddings (8 per layer; the
+    real: 256), the last layers reading the K/V of the last earlier layer of their type
+    (num_kv_shared_layers), those layers' double-wide MLP, global layers of head 16 (the real: 512)."""
+    return _gemma4_twin(seed, True, num_hidden_layers=6, layer_types=GEMMA4_LAYER_TYPES, global_head_dim=16,
+                        hidden_size_per_layer_input=8, vocab_size_per_layer_input=96, num_kv_shared_layers=2,
+                        use_double_wide_mlp=True)

@@ -147,7 +147,7 @@ def _run(args: argparse.Namespace, modes: list[str]) -> int:
             engine = assemble_engine(config(batch), target, None, remote_drafter=drafter.config)
             shared = []
             proposer = RemoteProposer.connect(address, target=target, block_size=drafter.config.block_size,
-                                              kv_block_size=16, num_kv_blocks=engine.runner.pool.k.shape[1],
+                                              kv_block_size=16, num_kv_blocks=engine.runner.pool.num_blocks,
                                               capacity_rows=8192 + batch * 32, max_num_seqs=batch, shared=shared,
                                               graphs=engine.graphs, draft_groups=2 if "_2g" in mode else 1)
             if mode == "own_gpu_2g_forced":

@@ -15,7 +15,14 @@ Gemma's layers norm each sublayer's output before its residual add ("sandwich" n
 so the fused add there is norm → add → norm in one launch (`add_rms_norm(x_norm_weight=…)`), the
 norms scale in float32 and cast last (Gemma-3's `1 + w` folded into a float32 weight at load), the
 MLP is GELU-tanh·mul, and sliding-window and global layers each rotate with their own RoPE table.
-The layer count of launches is the same nine.
+The layer count of launches is the same nine. Gemma-4's layers add: a value norm (in the same
+launch as q/k norms and RoPE); global layers of their own head size and KV heads (their K/V in
+their own group of the pool), rotating part of the head (proportional RoPE: zero frequencies for
+the rest), and with `attention_k_eq_v` no value projection (the values are the key projection's
+raw heads, normed, and the cache holds them alone: the attention derives each key from its
+value); KV-shared layers that project queries only and attend over an earlier layer's K/V; and,
+where a checkpoint has them, a per-layer input (E2B/E4B) and an output scale (`layer_scalar`),
+which add to and scale the residual before the next norm (a few launches more per layer).
 
 q/k/v and gate/up are each one GEMM over weights concatenated at load; a GEMM of at most 16 rows
 (decode, a batch-1 verify, the draft) is one launch of `dflash_serve.kernels.SkinnyLinear`'s kernel, where
@@ -25,8 +32,8 @@ model stays usable for plain forwards and training. Feature k (the residual stre
 HF's `hidden_states[k + 1]`) is the sum the next fused add produces, so no hook is needed.
 
 Other architectures, RoPE types whose frequencies change with the sequence (dynamic NTK,
-LongRoPE), partial rotary, attention logit softcapping, and the Gemma-4 features listed in
-`fused_unsupported_reason` stay on `TargetRunner`.
+LongRoPE), partial rotary other than Gemma-4's, and Gemma-4's mixture-of-experts blocks stay on
+`TargetRunner` (`fused_unsupported_reason` names why).
 """
 
 from __future__ import annotations
@@ -77,14 +84,29 @@ def fused_unsupported_reason(target: TargetModel) -> str | None:
     elif getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r} (the fused MLP is SiLU·mul)"
     rotary = _text_model(target).rotary_emb
-    head_dim = _kv_head_dim(target)
-    for layer_type in _layer_types(target):
+    for layer, layer_type in zip(target.layers, layer_rope_kinds(target), strict=True):
         inv_freq, _, rope_type = _rope_parameters(rotary, layer_type if gemma else None)
         if rope_type not in STATIC_ROPE_TYPES:
             return f"RoPE type {rope_type!r} is not one of {', '.join(STATIC_ROPE_TYPES)}"
-        if 2 * inv_freq.numel() != head_dim:
-            return "partial rotary embedding"
+        if 2 * inv_freq.numel() != layer.self_attn.head_dim:
+            return "partial rotary embedding (of fewer frequencies than the head has pairs)"
     return None
+
+
+def rope_tables(target: TargetModel, max_positions: int) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+    """The target's cos/sin tables [max_positions, D/2] by layer type (Gemma: sliding and global
+    layers rotate with their own; None: one table for all layers), exactly as transformers computes
+    them: the float32 product of position and inverse frequency, times the attention scaling,
+    cast to the model dtype."""
+    rotary = _text_model(target).rotary_emb
+    positions = torch.arange(max_positions, device=target.device, dtype=torch.float32)
+    tables = {}
+    for kind in dict.fromkeys(layer_rope_kinds(target)):
+        inv_freq, scale, _ = _rope_parameters(rotary, kind)
+        freqs = positions[:, None] * inv_freq.to(device=target.device, dtype=torch.float32)[None, :]
+        tables[kind] = ((freqs.cos() * scale).to(target.dtype).contiguous(),
+                        (freqs.sin() * scale).to(target.dtype).contiguous())
+    return tables
 
 
 def _gemma_unsupported_reason(target: TargetModel) -> str | None:
@@ -97,25 +119,13 @@ def _gemma_unsupported_reason(target: TargetModel) -> str | None:
     if getattr(cfg, "use_bidirectional_attention", None) in (True, "all"):
         return "bidirectional attention over text tokens"
     if getattr(cfg, "enable_moe_block", False):
-        return "Gemma-4 mixture-of-experts blocks"
-    if getattr(cfg, "hidden_size_per_layer_input", 0):
-        return "Gemma-4 per-layer input embeddings (hidden_size_per_layer_input > 0)"
-    if getattr(cfg, "num_kv_shared_layers", 0):
-        return "Gemma-4 KV sharing between layers (num_kv_shared_layers > 0)"
-    if getattr(cfg, "attention_k_eq_v", False):
-        return "Gemma-4 global layers whose values are their keys (attention_k_eq_v)"
-    head_dim, kv_heads = _kv_head_dim(target), _kv_heads(target)
+        return "Gemma-4 mixture-of-experts blocks (enable_moe_block)"
     for index, layer in enumerate(target.layers):
         attn = layer.self_attn
-        if attn.head_dim != head_dim or attn.k_proj.out_features != kv_heads * head_dim:
-            return (f"layer {index} has {attn.k_proj.out_features // attn.head_dim} KV heads of {attn.head_dim} "
-                    f"where layer 0 has {kv_heads} of {head_dim} (Gemma-4 global layers of another head size; "
-                    "the KV pool has one head shape)")
-        scalar = getattr(layer, "layer_scalar", None)
-        if scalar is not None and not bool(torch.all(scalar == 1)):
-            return f"layer {index} scales its output (Gemma-4 layer_scalar != 1)"
-        norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
-                 layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm)
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                 layer.post_feedforward_layernorm, attn.q_norm]
+        norms += [attn.k_norm] if hasattr(attn, "k_proj") else []  # a KV-shared layer has neither
+        norms += [layer.post_per_layer_input_norm] if getattr(layer, "hidden_size_per_layer_input", 0) else []
         for norm in norms:
             if type(norm).__name__ not in GEMMA_NORMS or not getattr(norm, "with_scale", True):
                 return f"layer {index}: norm {type(norm).__name__} has no fused equivalent"
@@ -131,7 +141,7 @@ def _text_model(target: TargetModel) -> nn.Module:
     raise ValueError(f"{type(target.model).__name__}: cannot find the module holding its decoder layers")
 
 
-def _layer_types(target: TargetModel) -> list[str | None]:
+def layer_rope_kinds(target: TargetModel) -> list[str | None]:
     """Each layer's RoPE table key: Gemma's layer type (sliding or global), else one table for all."""
     if target.config.model_type in GEMMA_FAMILIES:
         return [layer.self_attn.layer_type for layer in target.layers]
@@ -144,15 +154,6 @@ def _rope_parameters(rotary: nn.Module, layer_type: str | None) -> tuple[torch.T
         return rotary.inv_freq, rotary.attention_scaling, getattr(rotary, "rope_type", None)
     return (getattr(rotary, f"{layer_type}_inv_freq"), getattr(rotary, f"{layer_type}_attention_scaling"),
             rotary.rope_type.get(layer_type))
-
-
-def _kv_head_dim(target: TargetModel) -> int:
-    return target.layers[0].self_attn.head_dim
-
-
-def _kv_heads(target: TargetModel) -> int:
-    cfg = target.config
-    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
 
 def _merged(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -205,6 +206,12 @@ class FusedLayer:
     pre_feedforward_norm: torch.Tensor | None = None  # Gemma's sandwich norms
     post_feedforward_norm: torch.Tensor | None = None
     v_norm: bool = False  # Gemma-4 RMS-normalizes values (no weight)
+    num_kv_heads: int | None = None  # the layer's own (Gemma-4 global layers); None: the stack's
+    values_from_keys: bool = False  # Gemma-4 `attention_k_eq_v`: no value projection, V is K's raw projection
+    # (key norm weight, cos, sin) where the cache keeps values only and the keys are derived from them
+    keys_from_values: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    layer_scalar: torch.Tensor | None = None  # Gemma-4: the layer's output residual is scaled by it
+    per_layer_input: PerLayerInput | None = None  # Gemma-4 E2B/E4B
 
     @classmethod
     def from_layer(cls, layer: nn.Module, *, scaling: float, window: int | None, causal: bool = True,
@@ -229,18 +236,52 @@ class FusedLayer:
 
     @classmethod
     def from_gemma_layer(cls, layer: nn.Module, *, rope: tuple[torch.Tensor, torch.Tensor],
-                         linear: Linear = SkinnyLinear) -> FusedLayer:
-        """From a Gemma-3/4 decoder layer: four norms, q/k norms (and Gemma-4's value norm)."""
-        attn = layer.self_attn
-        fused = cls.from_layer(layer, scaling=float(attn.scaling), window=attn.sliding_window, rope=rope,
-                               linear=linear)
-        fused.input_norm = _gemma_norm_weight(layer.input_layernorm)
-        fused.post_attention_norm = _gemma_norm_weight(layer.post_attention_layernorm)
-        fused.pre_feedforward_norm = _gemma_norm_weight(layer.pre_feedforward_layernorm)
-        fused.post_feedforward_norm = _gemma_norm_weight(layer.post_feedforward_layernorm)
-        fused.q_norm, fused.k_norm = _gemma_norm_weight(attn.q_norm), _gemma_norm_weight(attn.k_norm)
-        fused.v_norm = hasattr(attn, "v_norm")
-        return fused
+                         num_kv_heads: int, linear: Linear = SkinnyLinear) -> FusedLayer:
+        """From a Gemma-3/4 decoder layer: four norms, q/k norms (and Gemma-4's value norm); a
+        Gemma-4 layer may have no value projection (k_eq_v), no K/V of its own (it reads an
+        earlier layer's), a per-layer input and an output scale. Its GEMMs are `linear`s."""
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = [attn.q_proj] + [p for p in (getattr(attn, "k_proj", None), getattr(attn, "v_proj", None))
+                                       if p is not None]
+        qkv, qkv_bias = _merged(projections)
+        gate_up, gate_up_bias = _merged([mlp.gate_proj, mlp.up_proj])
+        scalar = getattr(layer, "layer_scalar", None)
+        return cls(
+            input_norm=_gemma_norm_weight(layer.input_layernorm),
+            post_attention_norm=_gemma_norm_weight(layer.post_attention_layernorm),
+            qkv=linear(qkv, qkv_bias),
+            o=linear(attn.o_proj.weight.detach(), _param(attn.o_proj.bias)),
+            gate_up=linear(gate_up, gate_up_bias),
+            down=linear(mlp.down_proj.weight.detach(), _param(mlp.down_proj.bias)),
+            q_norm=_gemma_norm_weight(attn.q_norm),
+            k_norm=_gemma_norm_weight(attn.k_norm) if hasattr(attn, "k_norm") else None,
+            scaling=float(attn.scaling), window=attn.sliding_window, causal=True, rope=rope,
+            pre_feedforward_norm=_gemma_norm_weight(layer.pre_feedforward_layernorm),
+            post_feedforward_norm=_gemma_norm_weight(layer.post_feedforward_layernorm),
+            v_norm=hasattr(attn, "v_norm"),
+            num_kv_heads=num_kv_heads,
+            values_from_keys=hasattr(attn, "k_proj") and getattr(attn, "v_proj", None) is None,
+            # Gemma-3 and unscaled Gemma-4 layers skip the multiply (and keep their fused add + norm).
+            layer_scalar=None if scalar is None or bool(torch.all(scalar == 1)) else scalar.detach(),
+            per_layer_input=PerLayerInput.from_layer(layer, linear) if getattr(layer, "hidden_size_per_layer_input", 0)
+            else None,
+        )
+
+
+@dataclass
+class PerLayerInput:
+    """Gemma-4's per-layer input (E2B/E4B): after the MLP's residual add, residual +=
+    norm(projection(gelu_tanh(gate(residual)) · the layer's slice of the per-layer embeddings))."""
+
+    gate: SkinnyLinear | InvariantLinear
+    projection: SkinnyLinear | InvariantLinear
+    norm: torch.Tensor
+
+    @classmethod
+    def from_layer(cls, layer: nn.Module, linear: Linear = SkinnyLinear) -> PerLayerInput:
+        return cls(linear(layer.per_layer_input_gate.weight.detach(), None),
+                   linear(layer.per_layer_projection.weight.detach(), None),
+                   _gemma_norm_weight(layer.post_per_layer_input_norm))
 
 
 @dataclass
@@ -265,12 +306,16 @@ class FusedStack:
         self.activation: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_mul if self.gemma else silu_mul
 
     def forward(self, hidden: torch.Tensor, rope_index: torch.Tensor, cos: torch.Tensor | None,
-                sin: torch.Tensor | None, batch: AttentionBatch, on_residual=None) -> torch.Tensor:
+                sin: torch.Tensor | None, batch: AttentionBatch, on_residual=None,
+                per_layer_inputs: torch.Tensor | None = None) -> torch.Tensor:
         """Packed rows [T, H] -> final-normed hidden states [T, H]. Row t is rotated by
         cos/sin[rope_index[t]] (a layer's own table, else the one given here); `on_residual(k,
-        residual)` sees the residual stream after layer k (it is the sum the next fused add produces)."""
+        residual)` sees the residual stream after layer k (it is the sum the next fused add produces).
+        `per_layer_inputs` [T, layers, P]: Gemma-4's per-layer inputs, for layers that take one."""
+        # Sliding-window layers whose K/V live in window slots attend through the slots' view.
+        batches = (batch, None if self.pool.window_map is None else self.pool.window_batch(batch))
         if self.gemma:
-            return self._forward_gemma(hidden, rope_index, cos, sin, batch, on_residual)
+            return self._forward_gemma(hidden, rope_index, cos, sin, batches, on_residual, per_layer_inputs)
         residual = None
         for index, layer in enumerate(self.layers):
             if residual is None:
@@ -279,7 +324,7 @@ class FusedStack:
                 x, residual = add_rms_norm(hidden, residual, layer.input_norm, self.eps)
                 if on_residual is not None:
                     on_residual(index - 1, residual)
-            hidden = self._attention(index, layer, x, rope_index, cos, sin, batch)
+            hidden = self._attention(index, layer, x, rope_index, cos, sin, batches)
             x, residual = add_rms_norm(hidden, residual, layer.post_attention_norm, self.eps)
             hidden = self._mlp(layer, x)
         x, residual = add_rms_norm(hidden, residual, self.final_norm, self.eps)
@@ -288,37 +333,57 @@ class FusedStack:
         return x
 
     def _forward_gemma(self, hidden: torch.Tensor, rope_index: torch.Tensor, cos: torch.Tensor | None,
-                       sin: torch.Tensor | None, batch: AttentionBatch, on_residual) -> torch.Tensor:
+                       sin: torch.Tensor | None, batches: tuple[AttentionBatch, AttentionBatch | None], on_residual,
+                       per_layer_inputs: torch.Tensor | None) -> torch.Tensor:
         """residual += post_norm(sublayer(pre_norm(residual))) for attention, then MLP: each
-        sublayer's post-norm, residual add and the next pre-norm are one launch."""
+        sublayer's post-norm, residual add and the next pre-norm are one launch. A Gemma-4 layer
+        with a per-layer input or an output scale adds and scales its residual first, then norms."""
         x, residual = rms_norm(hidden, self.layers[0].input_norm, self.eps, scale_in_float32=True), hidden
         for index, layer in enumerate(self.layers):
-            hidden = self._attention(index, layer, x, rope_index, cos, sin, batch)
+            hidden = self._attention(index, layer, x, rope_index, cos, sin, batches)
             x, residual = add_rms_norm(hidden, residual, layer.pre_feedforward_norm, self.eps,
                                        x_norm_weight=layer.post_attention_norm, scale_in_float32=True)
             hidden = self._mlp(layer, x)
             next_norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
-            x, residual = add_rms_norm(hidden, residual, next_norm, self.eps,
-                                       x_norm_weight=layer.post_feedforward_norm, scale_in_float32=True)
+            if layer.per_layer_input is None and layer.layer_scalar is None:
+                x, residual = add_rms_norm(hidden, residual, next_norm, self.eps,
+                                           x_norm_weight=layer.post_feedforward_norm, scale_in_float32=True)
+            else:
+                residual = residual + rms_norm(hidden, layer.post_feedforward_norm, self.eps, scale_in_float32=True)
+                if layer.per_layer_input is not None:
+                    residual = residual + self._per_layer_input(layer.per_layer_input, residual,
+                                                                per_layer_inputs[:, index])
+                if layer.layer_scalar is not None:
+                    residual = residual * layer.layer_scalar
+                x = rms_norm(residual, next_norm, self.eps, scale_in_float32=True)
             if on_residual is not None:
                 on_residual(index, residual)
         return x
 
+    def _per_layer_input(self, ple: PerLayerInput, residual: torch.Tensor, layer_input: torch.Tensor) -> torch.Tensor:
+        gated = torch.nn.functional.gelu(ple.gate(residual), approximate="tanh") * layer_input
+        return rms_norm(ple.projection(gated), ple.norm, self.eps, scale_in_float32=True)
+
     def _attention(self, index: int, layer: FusedLayer, x: torch.Tensor, rope_index: torch.Tensor,
-                   cos: torch.Tensor | None, sin: torch.Tensor | None, batch: AttentionBatch) -> torch.Tensor:
+                   cos: torch.Tensor | None, sin: torch.Tensor | None,
+                   batches: tuple[AttentionBatch, AttentionBatch | None]) -> torch.Tensor:
         """One layer's attention on its normed input -> the O projection's output."""
-        k_cache, v_cache = self.pool.k[index], self.pool.v[index]
+        k_cache, v_cache = self.pool.layer(index)
+        batch = batches[1] if self.pool.windowed(index) else batches[0]
         if layer.rope is not None:
             cos, sin = layer.rope
         qkv = layer.qkv(x)
-        q = rope_kv_write(qkv, rope_index, cos, sin, batch.slot_mapping, k_cache, v_cache,
-                          num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+        # A layer reading an earlier layer's K/V (Gemma-4 KV sharing) projects queries only.
+        writes = self.pool.stores(index)
+        q = rope_kv_write(qkv, rope_index, cos, sin, batch.slot_mapping, k_cache if writes else None,
+                          v_cache if writes else None, num_heads=self.num_heads,
+                          num_kv_heads=layer.num_kv_heads or self.num_kv_heads,
                           q_norm_weight=layer.q_norm, k_norm_weight=layer.k_norm, eps=self.eps,
-                          scale_in_float32=self.gemma, v_norm=layer.v_norm)
+                          scale_in_float32=self.gemma, v_norm=layer.v_norm, values_from_keys=layer.values_from_keys)
         attention = paged_attention_invariant if self.batch_invariant else paged_attention
         attn = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start,
-                               scale=layer.scaling, causal=layer.causal, window=layer.window,
-                               max_query_len=batch.max_query_len)
+                         scale=layer.scaling, causal=layer.causal, window=layer.window,
+                         max_query_len=batch.max_query_len, keys_from_values=layer.keys_from_values)
         return layer.o(attn.view(attn.shape[0], -1))
 
     def _mlp(self, layer: FusedLayer, x: torch.Tensor) -> torch.Tensor:
@@ -344,35 +409,34 @@ class FusedTargetRunner:
         gemma = cfg.model_type in GEMMA_FAMILIES
         linear = InvariantLinear if deterministic else SkinnyLinear
         # One cos/sin table per layer type (Gemma: sliding layers rotate with a local base), shared.
-        tables = {kind: self._rope_table(text_model.rotary_emb, kind, max_positions, target.dtype, target.device)
-                  for kind in dict.fromkeys(_layer_types(target))}
+        tables = rope_tables(target, max_positions)
+        kv_heads = [spec.num_kv_heads for spec in pool.layout]
         with torch.no_grad():
             if gemma:
-                layers = [FusedLayer.from_gemma_layer(layer, rope=tables[kind], linear=linear)
-                          for layer, kind in zip(target.layers, _layer_types(target), strict=True)]
+                layers = [FusedLayer.from_gemma_layer(layer, rope=tables[kind], num_kv_heads=heads, linear=linear)
+                          for layer, kind, heads in zip(target.layers, layer_rope_kinds(target), kv_heads, strict=True)]
                 final_norm = _gemma_norm_weight(text_model.norm)
             else:
                 layers = [FusedLayer.from_layer(layer, scaling=float(layer.self_attn.scaling), rope=tables[None],
                                                 window=getattr(layer.self_attn, "sliding_window", None), linear=linear)
                           for layer in target.layers]
                 final_norm = text_model.norm.weight.detach()
-        self.stack = FusedStack(layers, final_norm, pool, cfg.num_attention_heads, _kv_heads(target),
+        # A layer whose keys the cache derives from its values (k_eq_v; or one reading such a
+        # layer's K/V) attends with the storing layer's key norm and its own RoPE table.
+        for index, (layer, spec) in enumerate(zip(layers, pool.layout, strict=True)):
+            if spec.keys_from_values:
+                owner = index if spec.reads_layer is None else spec.reads_layer
+                layer.keys_from_values = (layers[owner].k_norm, *layer.rope)
+        self.stack = FusedStack(layers, final_norm, pool, cfg.num_attention_heads, kv_heads[0],
                                 float(cfg.rms_norm_eps), gemma=gemma, batch_invariant=deterministic)
         # None: the target's own LM head (a SkinnyLinear, which hands more than 16 rows to cuBLAS).
         self.lm_head = InvariantLinear(target.lm_head.weight, target.lm_head.bias) if deterministic else None
+        # Gemma-4 E2B/E4B: the per-layer inputs are computed once per forward by the model's own
+        # embedding, projection and norm (a few small ops), then each layer takes its slice.
+        self._text_model = text_model if getattr(cfg, "hidden_size_per_layer_input", 0) else None
         self.capture: dict[int, list[int]] = {}  # layer -> its feature slots (a layer may be listed twice)
         for slot, k in enumerate(target.layer_ids):
             self.capture.setdefault(k, []).append(slot)
-
-    @staticmethod
-    def _rope_table(rotary: nn.Module, layer_type: str | None, max_positions: int, dtype: torch.dtype,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [max_positions, D/2] exactly as transformers computes them (float32 product of
-        position and inverse frequency, times the attention scaling, cast to the model dtype)."""
-        inv_freq, scale, _ = _rope_parameters(rotary, layer_type)
-        positions = torch.arange(max_positions, device=device, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq.to(device=device, dtype=torch.float32)[None, :]
-        return (freqs.cos() * scale).to(dtype).contiguous(), (freqs.sin() * scale).to(dtype).contiguous()
 
     @torch.inference_mode()
     def forward(
@@ -385,7 +449,12 @@ class FusedTargetRunner:
             for slot in self.capture.get(layer, ()):
                 features[slot] = residual
 
+        embeds = self.target.embed(input_ids)
+        per_layer_inputs = None
+        if self._text_model is not None:
+            per_layer_inputs = self._text_model.project_per_layer_inputs(
+                embeds[None], self._text_model.get_per_layer_inputs(input_ids[None]))[0]
         # Every target layer carries its RoPE table: none is passed to the stack.
-        x = self.stack.forward(self.target.embed(input_ids), positions, None, None, batch, keep)
+        x = self.stack.forward(embeds, positions, None, None, batch, keep, per_layer_inputs)
         logits = self.target.logits(x[logits_rows], self.lm_head)
         return logits, torch.cat(features, dim=-1) if features else None

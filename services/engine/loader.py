@@ -15,11 +15,11 @@ from dflash_serve.services.engine.cuda_graphs import DEFAULT_BUCKETS, RoundGraph
 from dflash_serve.services.engine.draft_runner import DraftRunner
 from dflash_serve.services.engine.engine import Engine
 from dflash_serve.services.engine.fused_target import FusedTargetRunner, fused_unsupported_reason
-from dflash_serve.services.engine.kv_cache import BlockAllocator, KVPool
+from dflash_serve.services.engine.kv_cache import BlockAllocator, KVPool, LayerKV, window_slots_for
 from dflash_serve.services.engine.prefill_graphs import CHUNK_BUCKETS, TOKEN_BUCKETS, PrefillGraphs
 from dflash_serve.services.engine.round_cost_cache import NOT_IN_KEY, RoundCostCache, machine, model_shape
 from dflash_serve.services.engine.speculation import k_buckets
-from dflash_serve.services.engine.target_runner import TargetRunner
+from dflash_serve.services.engine.target_runner import TargetRunner, unservable_reason
 from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel, load_drafter
 from dflash_serve.services.models.default_pair import cache_dir
 
@@ -70,20 +70,38 @@ def log_models(config: EngineConfig) -> None:
     log.info("models: target %s; drafter %s", source(config.target, config.target_revision), drafter)
 
 
-def num_kv_blocks(config: EngineConfig, device: torch.device, bytes_per_block: int, *, usable: int) -> int:
+def num_kv_blocks(config: EngineConfig, device: torch.device, bytes_per_block: int, *, usable: int,
+                  reserved: int = 0) -> int:
     """`usable`: the blocks max_num_seqs sequences of max_model_len tokens can hold at once. More
     would only lengthen every start (85 % of an H200 for the 135 M default pair took 14 s to
-    allocate) and hold memory a second process on the GPU could use."""
+    allocate) and hold memory a second process on the GPU could use. `reserved`: bytes of the
+    cache held apart from the blocks (sliding-window layers' window slots)."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
     if device.type != "cuda":
         return CPU_DEFAULT_KV_BLOCKS
     free, _ = torch.cuda.mem_get_info(device)
     # Leave room for activations of the largest forward (prefill chunk / verify batch).
-    blocks = int(free * config.kv_memory_fraction) // bytes_per_block
+    blocks = (int(free * config.kv_memory_fraction) - reserved) // bytes_per_block
     if blocks <= 0:
         raise RuntimeError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free after loading the models)")
     return min(blocks, usable)
+
+
+def allocate_target_kv(layout: list[LayerKV], num_blocks: int, scratch: int, block_size: int, num_window_slots: int,
+                       dtype: torch.dtype, device: torch.device | str) -> tuple[KVPool, BlockAllocator]:
+    """The target's KV pool and the allocator of its blocks but the last `scratch` (which CUDA
+    graphs' padding rows write into); `num_window_slots` > 0: the sliding-window layers' K/V in
+    that many window slots (and a scratch slot per scratch block)."""
+    slots = num_window_slots + scratch if num_window_slots else None
+    pool = KVPool.allocate_layers(layout, num_blocks, block_size, dtype, device, num_window_slots=slots)
+    allocator = BlockAllocator(num_blocks - scratch, block_size,
+                               window=KVPool.window_of(layout) if num_window_slots else None,
+                               num_window_slots=num_window_slots, window_map=pool.window_map)
+    if pool.window_map is not None:
+        pool.window_map[num_blocks - scratch:] = torch.arange(num_window_slots, num_window_slots + scratch,
+                                                              dtype=torch.int32)
+    return pool, allocator
 
 
 def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions: int, deterministic: bool = False
@@ -91,9 +109,12 @@ def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions
     """The target's forward for `EngineConfig.target_impl`; auto takes the fused one where it applies.
     `deterministic` needs the fused one (EngineConfig refuses it with target_impl=transformers)."""
     name = type(target.model).__name__
+    reason = unservable_reason(target)
+    if reason is not None:
+        raise ValueError(f"{name} cannot be served: {reason}")
     if impl == "transformers":
         log.info("target forward: transformers layer code for %s (target_impl=transformers)", name)
-        return TargetRunner(target, pool)
+        return TargetRunner(target, pool, max_positions=max_positions)
     reason = fused_unsupported_reason(target)
     if reason is None:
         log.info("target forward: fused layers for %s (target_impl=%s%s)", name, impl,
@@ -105,7 +126,7 @@ def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions
         raise ValueError(f"deterministic=true: {name} has no fused forward ({reason}), and only the fused forward "
                          "has batch-invariant kernels; turn deterministic off to serve it")
     log.info("target forward: transformers layer code for %s (no fused forward: %s)", name, reason)
-    return TargetRunner(target, pool)
+    return TargetRunner(target, pool, max_positions=max_positions)
 
 
 def build_engine(config: EngineConfig) -> Engine:
@@ -133,8 +154,8 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
     blocks, is counted in the sizing when it lives on this GPU (`remote_drafter_kv_here`), not
     when the drafter has a GPU of its own."""
     device, dtype = target.device, target.dtype
-    t_layers, t_heads, t_dim = TargetRunner.kv_shape(target)
-    per_block = KVPool.bytes_per_block(t_layers, config.kv_block_size, t_heads, t_dim, dtype)
+    t_layout = TargetRunner.kv_layout(target)
+    per_block = KVPool.layout_bytes_per_block(t_layout, config.kv_block_size, dtype)
     draft_cfg = drafter.config if drafter is not None else remote_drafter
     if draft_cfg is not None:
         d_layers, d_heads, d_dim = DraftRunner.kv_shape(draft_cfg)
@@ -148,11 +169,23 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
     # A sequence holds its tokens plus a round's lookahead (a chained round: two).
     usable = config.max_num_seqs * -(-(max_len + 2 * lookahead) // config.kv_block_size) + scratch
     blocks = num_kv_blocks(config, device, per_block, usable=usable)
+    window_slots = 0
+    window = KVPool.window_of(t_layout)
+    if window is not None:  # the sliding-window layers' K/V in window slots, where that holds more
+        window_slots = window_slots_for(window, config.kv_block_size, config.max_num_seqs, lookahead,
+                                        config.max_prefill_tokens)
+        slot_bytes = KVPool.layout_bytes_per_block(t_layout, config.kv_block_size, dtype, windowed=True)
+        windowed_blocks = num_kv_blocks(config, device, per_block - slot_bytes, usable=usable,
+                                        reserved=(window_slots + scratch) * slot_bytes)
+        if window_slots + scratch < windowed_blocks:
+            log.info("KV cache: sliding-window layers (window %d) in %d window slots", window, window_slots)
+            blocks, per_block = windowed_blocks, per_block - slot_bytes
+        else:
+            window_slots = 0
     log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", blocks, config.kv_block_size, blocks * per_block / 2**30)
     if blocks <= scratch:
         raise ValueError(f"num_kv_blocks={blocks} is too small; need more than {scratch}")
-    allocator = BlockAllocator(blocks - scratch, config.kv_block_size)
-    pool = KVPool.allocate(t_layers, blocks, config.kv_block_size, t_heads, t_dim, dtype, device)
+    pool, allocator = allocate_target_kv(t_layout, blocks, scratch, config.kv_block_size, window_slots, dtype, device)
     # A round chained after one not yet read may start a whole block further on (Engine.step).
     max_positions = max_len + 2 * lookahead
     runner = target_runner(config.target_impl, target, pool, max_positions=max_positions,

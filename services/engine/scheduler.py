@@ -75,7 +75,9 @@ class Scheduler:
     def offer_committed_blocks(self, seq: Sequence) -> None:
         """Offer the blocks now full of committed tokens to the prefix cache: positions below
         num_cached have their K/V and context rows, and below num_tokens their tokens (a stop
-        inside a round's block drops the tokens after it)."""
+        inside a round's block drops the tokens after it). Blocks no query of the sequence can
+        see any more give back their sliding-window layers' slots."""
+        self.allocator.leave_window(seq.block_table, seq.num_cached)
         if not self.prefix_caching:
             return
         full = min(seq.num_cached, seq.num_tokens) // self.allocator.block_size
@@ -119,7 +121,7 @@ class Scheduler:
         nothing: False (not enough free blocks) changes no table."""
         ends = [s.num_cached + 2 * self.lookahead for s in seqs]
         missing = sum(max(0, self.allocator.blocks_for(end) - len(s.block_table)) for s, end in zip(seqs, ends))
-        if missing > self.allocator.num_free:
+        if missing > self.allocator.num_takeable:
             return False
         for seq, end in zip(seqs, ends, strict=True):
             self.allocator.grow(seq.block_table, end)
@@ -211,7 +213,7 @@ class Scheduler:
         end = seq.num_cached + length
         if not self.allocator.can_hold(seq.block_table, end):
             # Take what fits in whole free blocks rather than nothing.
-            end = min(end, (len(seq.block_table) + self.allocator.num_free) * self.allocator.block_size)
+            end = min(end, (len(seq.block_table) + self.allocator.num_takeable) * self.allocator.block_size)
             length = end - seq.num_cached
             if length <= 0:
                 return budget

@@ -8,15 +8,20 @@ selected layers only: `output_hidden_states=True` would keep every layer's state
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_serve.kernels import SkinnyLinear
 from dflash_serve.services.models.revision import folder_revision_error
+
+log = logging.getLogger(__name__)
 
 
 class TargetLoadError(RuntimeError):
@@ -54,6 +59,44 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
             if isinstance(layers, nn.ModuleList) and len(layers) > 0:
                 return layers
     raise TargetLoadError(f"{type(model).__name__}: cannot find its decoder layers (looked for .model.layers)")
+
+
+# Multimodal checkpoints (model_type -> where their text model's weights are) whose text model is
+# served alone: vision and audio towers are never read into (GPU) memory. (Gemma-3's published
+# checkpoints keep an older layout that transformers converts on load: they load whole, as before.)
+TEXT_MODEL_PREFIX = {"gemma4": "model.language_model."}
+
+
+def _load_text_model(name_or_path: str, config: PreTrainedConfig, *, dtype, revision: str | None) -> PreTrainedModel:
+    """The causal LM of a multimodal checkpoint's text config (Gemma-4's `…ForCausalLM`), with
+    the checkpoint's text weights; every text weight must be there, and only other modalities'
+    are left unread."""
+    text_config = config.get_text_config()
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(text_config)]
+    prefix = TEXT_MODEL_PREFIX[config.model_type]
+    # transformers logs every unread tensor as a load-report warning; what is left is checked here.
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    level = report_logger.level
+    report_logger.setLevel(logging.ERROR)
+    try:
+        model, info = model_class.from_pretrained(
+            name_or_path, config=text_config, dtype=dtype, revision=revision, output_loading_info=True,
+            key_mapping={"^" + re.escape(prefix): "model."})
+    finally:
+        report_logger.setLevel(level)
+    text_keys = [k for k in info["unexpected_keys"] if k.startswith("model.") and not _other_modality(k)]
+    if info["missing_keys"] or text_keys or info["mismatched_keys"]:
+        raise TargetLoadError(
+            f"cannot load the text model of '{name_or_path}' ({config.model_type}) as {model_class.__name__}: "
+            f"missing {sorted(info['missing_keys'])[:5]}, unread text weights {sorted(text_keys)[:5]}, "
+            f"mismatched {sorted(info['mismatched_keys'])[:5]}")
+    log.info("target %s: the text model (%s) of a %s checkpoint; %d tensors of other modalities left unread",
+             name_or_path, model_class.__name__, config.model_type, len(info["unexpected_keys"]))
+    return model
+
+
+def _other_modality(key: str) -> bool:
+    return any(part in key for part in ("vision", "audio"))
 
 
 class TargetModel:
@@ -97,7 +140,12 @@ class TargetModel:
         """revision: the hub commit or tag of a repo id (None: its default branch)."""
         _check_revision(name_or_path, revision)
         try:
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, revision=revision)
+            config = AutoConfig.from_pretrained(name_or_path, revision=revision)
+            if config.model_type in TEXT_MODEL_PREFIX:
+                model = _load_text_model(name_or_path, config, dtype=dtype, revision=revision)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=dtype,
+                                                             revision=revision)
         except OSError as err:
             raise _cannot_load(name_or_path, err) from err
         return cls(model.to(device).eval(), layer_ids)

@@ -104,7 +104,7 @@ class EngineLoop:
         self._shared = []
         proposer = RemoteProposer.connect(
             address, target=self.engine.runner.target, block_size=self.draft_block_size,
-            kv_block_size=cfg.kv_block_size, num_kv_blocks=self.engine.runner.pool.k.shape[1],
+            kv_block_size=cfg.kv_block_size, num_kv_blocks=self.engine.runner.pool.num_blocks,
             capacity_rows=capacity, max_num_seqs=cfg.max_num_seqs, shared=self._shared, graphs=self.engine.graphs,
             draft_groups=2 if self.config.drafter_placement == "own_gpu" else 1,
         )

@@ -11,8 +11,8 @@ import torch
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.draft_runner import DraftRunner, Proposer
 from dflash_serve.services.engine.engine import Engine
-from dflash_serve.services.engine.kv_cache import BlockAllocator, KVPool
-from dflash_serve.services.engine.loader import target_runner
+from dflash_serve.services.engine.kv_cache import KVPool, window_slots_for
+from dflash_serve.services.engine.loader import allocate_target_kv, target_runner
 from dflash_serve.services.engine.prefill_graphs import PrefillChunkView, PrefillGraphs
 from dflash_serve.services.engine.target_runner import TargetRunner
 from dflash_serve.services.models import DFlashDraftModel, TargetModel
@@ -33,8 +33,16 @@ def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = Non
     through `PrefillGraphs`' padded forward (run eagerly here), the last KV block its scratch block."""
     layer_ids = drafter.config.target_layer_ids if drafter is not None else getattr(proposer, "target_layer_ids", ())
     target = TargetModel(model, layer_ids)
-    t_layers, t_heads, t_dim = TargetRunner.kv_shape(target)
-    pool = KVPool.allocate(t_layers, num_blocks, kv_block_size, t_heads, t_dim, model.dtype, "cpu")
+    layout = TargetRunner.kv_layout(target)
+    scratch = 1 if prefill_buckets else 0
+    lookahead = drafter.config.block_size if drafter is not None else getattr(proposer, "block_size", 1)
+    window = KVPool.window_of(layout)
+    # Sliding-window layers in window slots, as the loader places them, where there are fewer.
+    window_slots = window_slots_for(window, kv_block_size, max_num_seqs, lookahead, max_prefill_tokens) \
+        if window is not None else 0
+    if window_slots >= num_blocks - scratch:
+        window_slots = 0
+    pool, allocator = allocate_target_kv(layout, num_blocks, scratch, kv_block_size, window_slots, model.dtype, "cpu")
     max_positions = max_model_len + 64
     runner = target_runner(TARGET_IMPL, target, pool, max_positions=max_positions)
     if drafter is not None:
@@ -45,8 +53,8 @@ def build_engine(model, *, proposer=None, drafter: DFlashDraftModel | None = Non
                           max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
                           enable_prefix_caching=enable_prefix_caching, speculation=speculation,
                           num_speculative_tokens_per_batch_size=spec_table or {})
-    usable = num_blocks - 1 if prefill_buckets else num_blocks
-    engine = Engine(runner, proposer, BlockAllocator(usable, kv_block_size), config, tokenizer=tokenizer,
+    usable = num_blocks - scratch
+    engine = Engine(runner, proposer, allocator, config, tokenizer=tokenizer,
                     eos_token_ids=eos, max_model_len=max_model_len)
     engine.chain_rounds = CHAIN_ROUNDS
     if prefill_buckets:
@@ -136,11 +144,11 @@ def assert_draft_context_is_committed_rows(runner: DraftRunner, seq, kv_block_si
 
 
 def _slot_rows(pool: KVPool, slots: torch.Tensor) -> list[torch.Tensor]:
-    return [cache.view(-1, *cache.shape[-2:])[slots].clone() for layers in (pool.k, pool.v) for cache in layers]
+    return [cache.view(-1, *cache.shape[-2:])[slots].clone() for layers in pool.tensors() for cache in layers]
 
 
 def _zero_slots(pool: KVPool, slots: torch.Tensor) -> None:
-    for layers in (pool.k, pool.v):
+    for layers in pool.tensors():
         for cache in layers:
             cache.view(-1, *cache.shape[-2:])[slots] = 0
 

@@ -15,10 +15,10 @@ from dflash_serve.services.drafter.server import DrafterServer
 from dflash_serve.services.engine.draft_runner import Proposer
 from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.verifier.remote_drafter import RemoteProposer
-from tests.conftest import drafter_config, random_drafter
+from tests.conftest import drafter_config, gemma4_drafter, random_drafter
 from tests.engine import harness
 from tests.engine.harness import assert_draft_context_is_committed_rows, build_engine, hf_greedy
-from tests.targets import tiny_target
+from tests.targets import gemma4_31b_twin, tiny_target
 
 V, B = 96, 5
 
@@ -37,7 +37,7 @@ def _remote_engine(target, drafter, shared, draft_groups: int = 1, **engine_opti
     engine = build_engine(target, proposer=_Placeholder(drafter), **engine_options)  # captures the drafter's layers
     proposer = RemoteProposer.connect(server.address, target=engine.runner.target, block_size=B,
                                       kv_block_size=engine.allocator.block_size,
-                                      num_kv_blocks=engine.runner.pool.k.shape[1], capacity_rows=64,
+                                      num_kv_blocks=engine.runner.pool.num_blocks, capacity_rows=64,
                                       max_num_seqs=engine.config.max_num_seqs, shared=shared,
                                       draft_groups=draft_groups)
     engine.attach_proposer(proposer)
@@ -203,6 +203,26 @@ def test_remote_drafter_is_lossless_for_every_k(pair, rounds):
     if rounds == "adaptive" and max(ks) > 0:
         assert max(engine.speculation.costs.draft) > 0  # learnt from the rounds that drafted
     assert engine.allocator.num_free == engine.allocator.num_blocks
+    proposer.release()
+    for buffer in shared:
+        buffer.close()
+
+
+def test_a_gemma4_target_of_two_kv_groups_drafts_remotely_as_locally():
+    """The 31B twin (sliding and global layers of two KV geometries) with a drafter of the z-lab
+    Gemma-4 layout in another process: its features and block ids cross the transport as for any
+    target, so the remote pair decodes the local pair's tokens, the target's own."""
+    target, drafter = gemma4_31b_twin(seed=2), gemma4_drafter(block_size=B, seed=9)
+    prompts = [list(range(10, 22)), [7, 30, 12, 5, 61, 8]]
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    local = build_engine(target, drafter=drafter).generate(prompts, params)
+    shared = []
+    engine, server, proposer = _remote_engine(target, drafter, shared)
+    assert len(engine.runner.pool.groups) == 2
+    remote = engine.generate(prompts, params)
+    for prompt, a, b in zip(prompts, local, remote, strict=True):
+        assert b.output_ids == a.output_ids == hf_greedy(target, prompt, 20)
+        assert b.stats.accepted_per_position == a.stats.accepted_per_position
     proposer.release()
     for buffer in shared:
         buffer.close()

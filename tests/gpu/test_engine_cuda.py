@@ -158,7 +158,7 @@ def test_split_drafter_over_cuda_ipc_matches_the_colocated_engine(graphs, tied, 
     engine = assemble_engine(config, target, None, remote_drafter=drafter.config)
     shared = []
     proposer = RemoteProposer.connect(address, target=target, block_size=B, kv_block_size=16,
-                                      num_kv_blocks=engine.runner.pool.k.shape[1], capacity_rows=256, max_num_seqs=4, shared=shared,
+                                      num_kv_blocks=engine.runner.pool.num_blocks, capacity_rows=256, max_num_seqs=4, shared=shared,
                                       graphs=engine.graphs)
     engine.attach_proposer(proposer)
     assert (engine.graphs is not None and engine.graphs.fits(proposer, B)) == graphs
@@ -207,11 +207,10 @@ def _fused_equals_transformers_in_bf16(model, name: str) -> None:
     from dflash_serve.services.engine.target_runner import TargetRunner
 
     target = TargetModel(model, (0, 2))
-    layers, heads, dim = TargetRunner.kv_shape(target)
     outs = []
-    for cls, kwargs in ((TargetRunner, {}), (FusedTargetRunner, {"max_positions": 4096})):
-        pool = KVPool.allocate(layers, 64, 16, heads, dim, torch.bfloat16, "cuda")
-        runner = cls(target, pool, **kwargs)
+    for cls in (TargetRunner, FusedTargetRunner):
+        pool = KVPool.allocate_layers(TargetRunner.kv_layout(target), 64, 16, torch.bfloat16, "cuda")
+        runner = cls(target, pool, max_positions=4096)
         g = torch.Generator().manual_seed(1)
         tables = [list(range(0, 20)), list(range(20, 40))]
         starts, results = [0, 0], []
@@ -262,6 +261,32 @@ def test_fused_gemma3_forward_in_bf16_matches_transformers():
             if "norm" in name:
                 param.normal_(0.0, 0.5)
     _fused_equals_transformers_in_bf16(model.to(torch.bfloat16).cuda().eval(), "gemma3")
+
+
+@pytest.mark.parametrize("shape", ["31B", "E4B"])
+def test_fused_gemma4_forward_in_bf16_at_its_real_head_sizes_matches_transformers(shape):
+    """Gemma-4's text decoder at the real head sizes: sliding layers of head 256, global layers of
+    head 512 (31B: one KV head, k_eq_v; E4B: per-layer inputs and KV-shared layers), a 128-token
+    window inside the 300-token prefill, random norms and layer scalars."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    layer_types = ["sliding_attention", "full_attention"] * 3
+    extra = (dict(num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0)
+             if shape == "31B" else
+             dict(hidden_size_per_layer_input=64, vocab_size_per_layer_input=512, num_kv_shared_layers=2,
+                  use_double_wide_mlp=True))
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(Gemma4TextConfig(
+        vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=256, global_head_dim=512, max_position_embeddings=4096,
+        sliding_window=128, final_logit_softcapping=30.0, layer_types=layer_types, **extra))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.5)
+        for layer in model.model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5)
+    _fused_equals_transformers_in_bf16(model.to(torch.bfloat16).cuda().eval(), f"gemma4 {shape}")
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["chained", "synced"])

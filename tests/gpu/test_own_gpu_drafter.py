@@ -70,7 +70,7 @@ def test_a_drafter_on_its_own_gpu_matches_the_colocated_engine(graphs, tied, spe
     try:
         engine = _engine(target, graphs, spec_table, remote_drafter=drafter.config)
         proposer = RemoteProposer.connect(address, target=target, block_size=B, kv_block_size=16,
-                                          num_kv_blocks=engine.runner.pool.k.shape[1], capacity_rows=256,
+                                          num_kv_blocks=engine.runner.pool.num_blocks, capacity_rows=256,
                                           max_num_seqs=4, shared=shared, graphs=engine.graphs)
         engine.attach_proposer(proposer)
         split = engine.generate(prompts, params)

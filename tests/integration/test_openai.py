@@ -19,7 +19,8 @@ import openai
 import pytest
 
 from dflash_serve.services.api.dflash.v1 import generation_pb2
-from tests.integration.conftest import deployed_app
+from tests.integration.conftest import DEVICE, deployed_app
+from tests.served_pair import save_gemma4_pair
 
 pytestmark = pytest.mark.integration
 
@@ -190,3 +191,37 @@ def test_a_client_disconnecting_mid_stream_cancels_the_request_and_frees_every_b
     assert stats["kv_free_blocks"] == stats["kv_blocks"]
     time.sleep(3)
     assert _finished(app) == before, "the request ran to its end instead of being cancelled"
+
+
+def test_a_gemma4_31b_twin_with_its_drafter_answers_a_chat_request(ray_serve, tmp_path_factory):
+    """Issue 61, served: Gemma-4's 31B structure (two KV geometries, global keys derived from their
+    values, sliding-window layers) and a drafter of the z-lab Gemma-4 layout, split
+    topology. An OpenAI chat request is answered with the gRPC API's text, drafts were verified,
+    and the tokens are the target's alone (an embedded target-only engine on the same prompt).
+    Last in this file: it deploys its own application in the module app's place."""
+    from transformers import AutoTokenizer
+
+    from dflash_serve.services.config import EngineConfig
+    from dflash_serve.services.engine.loader import build_engine
+    from dflash_serve.services.engine.sampling import SamplingParams
+
+    target, drafter = save_gemma4_pair(tmp_path_factory.mktemp("gemma4"), block_size=4)
+    messages = [{"role": "user", "content": "def main():"}]
+    with deployed_app(ray_serve, (target, drafter), http_port=ray_serve["http"], served_model_name="gemma4-twin",
+                      max_pending=8) as deployed:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{ray_serve['http']}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        reply = client.chat.completions.create(model="gemma4-twin", messages=messages, max_tokens=16, temperature=0.0)
+        responses = list(deployed["stub"].Generate(generation_pb2.GenerateRequest(
+            chat=generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(**m) for m in messages]),
+            sampling=generation_pb2.SamplingParams(max_tokens=16, temperature=0.0)), timeout=120))
+    served_ids = [t for r in responses for t in r.token_ids]
+    assert reply.choices[0].message.content == "".join(r.text for r in responses)
+    assert reply.usage.completion_tokens == len(served_ids) > 0
+    assert responses[-1].spec_stats.num_draft_tokens > 0  # the drafter served
+    prompt_ids = AutoTokenizer.from_pretrained(target).apply_chat_template(
+        messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert len(prompt_ids) == responses[-1].usage.prompt_tokens
+    alone = build_engine(EngineConfig(target=target, drafter=None, device=DEVICE, num_kv_blocks=64, max_num_seqs=1))
+    (seq,) = alone.generate([list(prompt_ids)], SamplingParams(temperature=0.0, max_tokens=16))
+    assert served_ids == seq.output_ids

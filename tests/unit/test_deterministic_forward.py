@@ -26,6 +26,7 @@ from dflash_serve.services.engine.loader import target_runner
 from dflash_serve.services.engine.target_runner import TargetRunner
 from dflash_serve.services.models import TargetModel
 from tests.targets import tiny_target
+from tests.unit.test_fused_target import _gemma4_moe, kv_pool_for
 from tests.unit.test_kernels import DEVICE, ON_CUDA, TRITON_AVAILABLE, TRITON_RUNS_HERE, runs_triton
 
 PAGE = 4
@@ -40,8 +41,7 @@ SCHEDULES = {
 
 def runner_for(family: str, *, deterministic: bool, dtype=torch.bfloat16, device="cpu") -> FusedTargetRunner:
     target = TargetModel(tiny_target(family, layers=2, seed=1).to(dtype).to(device), (0,))
-    layers, heads, dim = TargetRunner.kv_shape(target)
-    pool = KVPool.allocate(layers, 64, PAGE, heads, dim, dtype, device)
+    pool = KVPool.allocate_layers(TargetRunner.kv_layout(target), 64, PAGE, dtype, device)
     return FusedTargetRunner(target, pool, max_positions=64, deterministic=deterministic)
 
 
@@ -105,16 +105,9 @@ def test_deterministic_runner_uses_the_invariant_kernels_for_every_gemm():
 def test_deterministic_needs_the_fused_forward():
     with pytest.raises(ValueError, match="deterministic=true needs the fused target forward"):
         EngineConfig(target="tiny", deterministic=True, target_impl="transformers")
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-
-    unfused = TargetModel(Gemma4ForCausalLM(Gemma4TextConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, global_head_dim=8, hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=96, max_position_embeddings=64)).float())
-    layers, heads, dim = TargetRunner.kv_shape(unfused)
-    pool = KVPool.allocate(layers, 8, PAGE, heads, dim, torch.float32, "cpu")
+    unfused = TargetModel(_gemma4_moe())  # Gemma-4's mixture-of-experts blocks have no fused forward
     with pytest.raises(ValueError, match="deterministic=true: Gemma4ForCausalLM has no fused forward"):
-        target_runner("auto", unfused, pool, max_positions=64, deterministic=True)
+        target_runner("auto", unfused, kv_pool_for(unfused), max_positions=64, deterministic=True)
 
 
 @pytest.mark.skipif(ON_CUDA or TRITON_RUNS_HERE or not TRITON_AVAILABLE,

@@ -158,9 +158,8 @@ def test_the_verifier_counts_the_drafters_kv_only_when_it_shares_the_gpu(kv_here
     target = TargetModel(tiny_target("llama", layers=4, vocab=96, seed=1).float(), (1, 3))
     config = EngineConfig(target="tiny", kv_block_size=16, max_num_seqs=2, speculation="fixed")
     loader.assemble_engine(config, target, None, remote_drafter=draft_cfg, remote_drafter_kv_here=kv_here)
-    t_layers, t_heads, t_dim = loader.TargetRunner.kv_shape(target)
     d_layers, d_heads, d_dim = loader.DraftRunner.kv_shape(draft_cfg)
-    target_block = loader.KVPool.bytes_per_block(t_layers, 16, t_heads, t_dim, torch.float32)
+    target_block = loader.KVPool.layout_bytes_per_block(loader.TargetRunner.kv_layout(target), 16, torch.float32)
     draft_block = loader.KVPool.bytes_per_block(d_layers, 16, d_heads, d_dim, torch.float32)
     assert sized == [target_block + draft_block if kv_here else target_block]
 
@@ -175,6 +174,8 @@ def test_on_a_gpu_the_kv_cache_holds_what_the_batch_can_use_within_its_share_of_
     assert loader.num_kv_blocks(config, cuda, per_block, usable=30) == 30
     assert loader.num_kv_blocks(config, cuda, per_block, usable=3000) == 50  # half of 100 MiB free
     assert loader.num_kv_blocks(EngineConfig(target="tiny", num_kv_blocks=7), cuda, per_block, usable=30) == 7
+    # Window slots held apart from the blocks come out of the same share.
+    assert loader.num_kv_blocks(config, cuda, per_block, usable=3000, reserved=20 * 2**20) == 30
 
 
 @pytest.mark.parametrize(("raw", "machine_gpus", "lent"), [

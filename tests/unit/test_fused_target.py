@@ -20,7 +20,7 @@ from dflash_serve.services.engine.kv_cache import AttentionBatch, BlockAllocator
 from dflash_serve.services.engine.loader import target_runner
 from dflash_serve.services.engine.target_runner import TargetRunner
 from dflash_serve.services.models import TargetModel
-from tests.targets import tiny_target
+from tests.targets import gemma4_31b_twin, gemma4_e4b_twin, tiny_target
 
 LAYER_IDS = (0, 1, 3)  # 3: the last layer, whose feature comes out of the final norm's fused add
 PAGE = 4
@@ -84,6 +84,10 @@ def fused_families():
         ("llama-3 rope, attention and mlp biases", llama3.double().eval()),
         ("qwen3 with sliding-window layers", qwen3_sliding.double().eval()),
         *gemma_targets(),
+        # KV groups of two geometries, k_eq_v, layer scalars
+        ("gemma-4 31B twin", gemma4_31b_twin(seed=4)),
+        # per-layer inputs, KV-shared layers, double-wide MLP
+        ("gemma-4 E4B twin", gemma4_e4b_twin(seed=6)),
     ]
 
 
@@ -108,13 +112,13 @@ def paged_forwards(runner, dtype, seed: int = 0):
 
 def runners(model, dtype):
     target = TargetModel(model.to(dtype), LAYER_IDS)
-    layers, heads, dim = TargetRunner.kv_shape(target)
-    pools = [KVPool.allocate(layers, 64, PAGE, heads, dim, dtype, "cpu") for _ in range(2)]
-    return target, TargetRunner(target, pools[0]), FusedTargetRunner(target, pools[1], max_positions=64)
+    pools = [KVPool.allocate_layers(TargetRunner.kv_layout(target), 64, PAGE, dtype, "cpu") for _ in range(2)]
+    return (target, TargetRunner(target, pools[0], max_positions=64),
+            FusedTargetRunner(target, pools[1], max_positions=64))
 
 
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.float64, 1e-6)])
-@pytest.mark.parametrize("index", range(7))
+@pytest.mark.parametrize("index", range(9))
 def test_fused_forward_equals_transformers_on_chunked_prefill_and_verify(index, dtype, bound):
     name, model = fused_families()[index]
     target, hf_runner, fused_runner = runners(model, dtype)
@@ -140,9 +144,10 @@ def test_fused_forward_equals_transformers_on_chunked_prefill_and_verify(index, 
 def test_a_layer_listed_twice_gives_its_feature_twice():
     model = tiny_target("llama", layers=4).float()
     target = TargetModel(model, (3, 0, 3))
-    layers, heads, dim = TargetRunner.kv_shape(target)
-    hf_runner = TargetRunner(target, KVPool.allocate(layers, 64, PAGE, heads, dim, torch.float32, "cpu"))
-    fused_runner = FusedTargetRunner(target, KVPool.allocate(layers, 64, PAGE, heads, dim, torch.float32, "cpu"),
+    layout = TargetRunner.kv_layout(target)
+    hf_runner = TargetRunner(target, KVPool.allocate_layers(layout, 64, PAGE, torch.float32, "cpu"),
+                             max_positions=64)
+    fused_runner = FusedTargetRunner(target, KVPool.allocate_layers(layout, 64, PAGE, torch.float32, "cpu"),
                                      max_positions=64)
     for (_, hf_features), (_, features) in zip(paged_forwards(hf_runner, torch.float32)[0],
                                                paged_forwards(fused_runner, torch.float32)[0], strict=True):
@@ -170,8 +175,7 @@ def test_fusing_shares_the_hf_weights_and_leaves_the_hf_model_working():
 
 
 def kv_pool_for(target):
-    layers, heads, dim = TargetRunner.kv_shape(target)
-    return KVPool.allocate(layers, 8, PAGE, heads, dim, torch.float32, "cpu")
+    return KVPool.allocate_layers(TargetRunner.kv_layout(target), 8, PAGE, torch.float32, "cpu")
 
 
 def test_auto_takes_the_fused_forward_where_it_applies_and_says_which(caplog):
@@ -181,11 +185,11 @@ def test_auto_takes_the_fused_forward_where_it_applies_and_says_which(caplog):
             assert isinstance(target_runner("auto", target, kv_pool_for(target), max_positions=64), FusedTargetRunner)
             assert isinstance(target_runner("transformers", target, kv_pool_for(target), max_positions=64),
                               TargetRunner)
-        # Per-layer inputs (as Gemma-4 E2B/E4B have them) are not fused.
-        gemma4 = TargetModel(_gemma4(hidden_size_per_layer_input=8))
+        # Gemma-4's mixture-of-experts blocks (26B-A4B) are not fused.
+        gemma4 = TargetModel(_gemma4_moe())
         runner = target_runner("auto", gemma4, kv_pool_for(gemma4), max_positions=64)
         assert type(runner) is TargetRunner
-    assert ("transformers layer code for Gemma4ForCausalLM (no fused forward: Gemma-4 per-layer input embeddings"
+    assert ("transformers layer code for Gemma4ForCausalLM (no fused forward: Gemma-4 mixture-of-experts blocks"
             in caplog.text)
     assert "fused layers for Qwen3ForCausalLM (target_impl=auto)" in caplog.text
     assert "fused layers for Gemma3ForCausalLM (target_impl=auto)" in caplog.text
@@ -210,20 +214,12 @@ def _gemma3(**overrides):
                                               **overrides)).float().eval()
 
 
-def _scaled_layer(model):
-    model.model.layers[1].layer_scalar.fill_(0.5)
-    return model
+def _gemma4_moe():
+    return _gemma4(enable_moe_block=True, num_experts=2, top_k_experts=1, moe_intermediate_size=16)
 
 
 REFUSED_GEMMAS = {
-    "Gemma-4 per-layer input embeddings": lambda: _gemma4(hidden_size_per_layer_input=8),
-    "Gemma-4 KV sharing between layers": lambda: _gemma4(num_hidden_layers=4, num_kv_shared_layers=2, layer_types=[
-        "sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
-    "Gemma-4 global layers whose values are their keys": lambda: _gemma4(attention_k_eq_v=True),
-    "layer 1 has 2 KV heads of 16 where layer 0 has 2 of 8": lambda: _gemma4(global_head_dim=16),
-    "layer 1 scales its output": lambda: _scaled_layer(_gemma4()),
-    "Gemma-4 mixture-of-experts blocks": lambda: _gemma4(enable_moe_block=True, num_experts=2, top_k_experts=1,
-                                                         moe_intermediate_size=16),
+    "Gemma-4 mixture-of-experts blocks (enable_moe_block)": _gemma4_moe,
     "attention logit softcapping": lambda: _gemma3(attn_logit_softcapping=50.0),
     "bidirectional attention over text tokens": lambda: _gemma3(use_bidirectional_attention=True),
     "hidden_activation 'gelu'": lambda: _gemma3(hidden_activation="gelu"),
@@ -235,8 +231,7 @@ def test_gemma_features_the_fused_layers_do_not_compute_are_refused_by_name(reas
     target = TargetModel(REFUSED_GEMMAS[reason]())
     assert reason in fused_unsupported_reason(target)
     with pytest.raises(ValueError, match="no fused forward"):
-        FusedTargetRunner(target, KVPool.allocate(target.num_layers, 8, PAGE, 2, 8, torch.float32, "cpu"),
-                          max_positions=64)
+        FusedTargetRunner(target, kv_pool_for(target), max_positions=64)
 
 
 def test_rope_that_changes_with_the_sequence_stays_on_transformers():

@@ -20,6 +20,7 @@ import torch
 
 from dflash_serve.kernels.kv_injection import inject_context_kv_reference, inject_context_kv_triton
 from dflash_serve.kernels.paged_attention import (
+    derive_keys,
     paged_attention,
     paged_attention_batched,
     paged_attention_reference,
@@ -242,6 +243,54 @@ def test_attention_triton_matches_reference(name, dtype, num_kv_splits):
     result = paged_attention_triton(q, k_cache, v_cache, *rest, **options, max_query_len=max_query_len, out=out,
                                     num_kv_splits=num_kv_splits)
     assert result is out
+    assert relative_error(out, reference) < TOLERANCE[dtype]
+
+
+def keys_from_values_case(name, dtype):
+    """A case's inputs in `dtype` with keys to be derived from the values (Gemma-4's
+    attention_k_eq_v): the key norm weight and a RoPE table of its head size, and the k_cache
+    that writing each derived key at its position would hold (the oracle)."""
+    (q, _, v_cache, block_tables, seq_lens, query_start), options = split_case(name)
+    head_dim = v_cache.shape[-1]
+    g = torch.Generator().manual_seed(3)
+    weight = 1 + 0.3 * torch.randn(head_dim, generator=g)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(512).float()[:, None] * inv_freq[None]
+    q, v_cache = q.to(dtype), v_cache.to(dtype)
+    keys_from_values = (weight, freqs.cos().to(dtype), freqs.sin().to(dtype))
+    k_cache = torch.full_like(v_cache, float("nan"))
+    block_size = v_cache.shape[1]
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        for position in range(seq_len):
+            slot = int(block_tables[i, position // block_size]), position % block_size
+            k_cache[slot] = derive_keys(v_cache[slot][None], torch.tensor([position]), keys_from_values)[0]
+    return (q, k_cache, v_cache, block_tables, seq_lens, query_start), keys_from_values, options
+
+
+KEYS_FROM_VALUES_CASES = ["decode-gqa4", "verify-gqa4-q0", "prefill-mha", "window7-causal", "head-dim-24-strided-q"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", KEYS_FROM_VALUES_CASES)
+def test_keys_derived_from_values_are_attention_over_the_keys_written(name, dtype):
+    """A layer that stores its values only attends exactly as one that stored the keys its
+    values derive (reference and the batched CPU path)."""
+    (q, k_cache, v_cache, *rest), keys_from_values, options = keys_from_values_case(name, dtype)
+    for attend in (paged_attention_reference, paged_attention_batched):
+        out = attend(q, None, v_cache, *rest, **options, keys_from_values=keys_from_values)
+        assert torch.equal(out, attend(q, k_cache, v_cache, *rest, **options)), attend.__name__
+
+
+@runs_triton
+@pytest.mark.parametrize("dtype, num_kv_splits", SPLIT_CASES, ids=lambda x: str(x).removeprefix("torch."))
+@pytest.mark.parametrize("name", KEYS_FROM_VALUES_CASES)
+def test_attention_triton_with_keys_derived_from_values_matches_reference(name, dtype, num_kv_splits):
+    (q, k_cache, v_cache, *rest), keys_from_values, options = keys_from_values_case(name, dtype)
+    reference = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), *rest, **options)
+    moved = [t.to(DEVICE) for t in (q, v_cache, *rest)]
+    weight, cos, sin = (t.to(DEVICE) for t in keys_from_values)
+    out = paged_attention_triton(moved[0], None, moved[1], *moved[2:], **options, num_kv_splits=num_kv_splits,
+                                 keys_from_values=(weight, cos, sin))
     assert relative_error(out, reference) < TOLERANCE[dtype]
 
 
@@ -758,6 +807,47 @@ def test_rope_kv_write_triton_matches_reference(dtype, norms, tokens, heads, kv_
     untouched = torch.ones(flat(k_out).shape[0], dtype=torch.bool)
     untouched[slots] = False
     assert flat(k_out)[untouched].isnan().all() and flat(v_out)[untouched].isnan().all()
+
+
+@runs_triton
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("layer", ["values_from_keys", "values_only", "queries_only"])
+@pytest.mark.parametrize("tokens, heads, kv_heads, head_dim", [(1, 4, 1, 16), (13, 8, 2, 32), (3, 20, 4, 16)])
+def test_rope_kv_write_triton_matches_reference_on_gemma4_global_and_kv_shared_layers(dtype, layer, tokens, heads,
+                                                                                      kv_heads, head_dim):
+    """A k_eq_v layer's projection has no value heads (values are its raw keys, normed), and it may
+    write its values alone (its keys derived from them as they are read); a layer reading an
+    earlier layer's K/V projects queries only and writes nothing."""
+    from dflash_serve.kernels.rope_kv_write import rope_kv_write_reference, rope_kv_write_triton
+
+    qkv, positions, cos, sin, slots, k_cache, v_cache, (qw, kw) = rope_case(
+        tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=4, dtype=dtype, qk_norm=True)
+    qw, kw = qw.float(), kw.float()
+    kv_sets = 0 if layer == "queries_only" else 1
+    qkv = qkv[:, : (heads + kv_sets * kv_heads) * head_dim].contiguous()
+    caches = {"values_from_keys": (k_cache, v_cache), "values_only": (None, v_cache),
+              "queries_only": (None, None)}[layer]
+    kwargs = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-6, scale_in_float32=True, v_norm=True,
+                  values_from_keys=bool(kv_sets))
+    ref_caches = [None if c is None else c.clone() for c in caches]
+    ref_q = rope_kv_write_reference(qkv, positions, cos, sin, slots, *ref_caches, q_norm_weight=qw,
+                                    k_norm_weight=kw, **kwargs)
+    moved = [None if t is None else t.to(DEVICE) for t in (qkv, positions, cos, sin, slots, *caches, qw, kw)]
+    q = rope_kv_write_triton(*moved[:7], q_norm_weight=moved[7], k_norm_weight=moved[8], **kwargs)
+    tolerance = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 4e-3}[dtype]
+    assert relative_error(q, ref_q) < tolerance
+    if kv_sets:
+        hk = qkv.view(tokens, -1, head_dim)[:, heads:]
+        for got, want in zip(moved[5:7], ref_caches, strict=True):
+            if want is None:
+                continue
+            flat_got, flat_want = got.cpu().view(-1, kv_heads, head_dim), want.view(-1, kv_heads, head_dim)
+            assert relative_error(flat_got[slots], flat_want[slots]) < tolerance
+        # The values are the raw key heads RMS-normed without a weight, not rotated.
+        from dflash_serve.kernels.rms_norm import rms_norm_reference
+
+        expected_v = rms_norm_reference(hk, None, 1e-6, scale_in_float32=True)
+        assert relative_error(ref_caches[1].view(-1, kv_heads, head_dim)[slots], expected_v) < tolerance
 
 
 # -- argmax ---------------------------------------------------------------------------------------

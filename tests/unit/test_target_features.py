@@ -63,3 +63,32 @@ def test_gemma_embedding_scale_and_softcap_are_the_targets():
     with torch.no_grad():
         hidden = model.model(ids).last_hidden_state
         assert torch.allclose(target.logits(hidden), model(ids).logits)
+
+
+def test_a_gemma4_multimodal_checkpoint_loads_its_text_model_alone(tmp_path, caplog):
+    """google/gemma-4-31B-it is a Gemma4ForConditionalGeneration checkpoint: the target is its
+    text model (Gemma4ForCausalLM, the checkpoint's text weights), the vision tower stays on disk."""
+    import logging
+
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from tests.targets import gemma4_31b_twin
+
+    text = gemma4_31b_twin(seed=1)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=8)
+    full = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text.config.to_dict(), vision_config=vision))
+    full.model.language_model.load_state_dict(text.model.state_dict())
+    full.save_pretrained(tmp_path)
+    with caplog.at_level(logging.INFO, logger="dflash_serve.services.models.target"):
+        target = TargetModel.from_pretrained(str(tmp_path), (1, 4), dtype=torch.float32)
+    assert type(target.model).__name__ == "Gemma4ForCausalLM"
+    assert not any("vision" in name for name, _ in target.model.named_parameters())
+    assert "text model (Gemma4ForCausalLM) of a gemma4 checkpoint" in caplog.text
+    ids = torch.tensor([[5, 9, 14, 3, 77, 8, 21]])
+    with torch.no_grad():
+        logits, features = target.forward_with_features(ids)
+        reference = full.float().eval()(input_ids=ids, output_hidden_states=True)
+    assert torch.equal(logits, reference.logits)
+    hidden = target.hidden_size
+    assert torch.equal(features[..., :hidden], reference.hidden_states[2])
