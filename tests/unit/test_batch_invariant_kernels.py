@@ -2,7 +2,9 @@
 
 GEMM: a row computed alone and inside batches of 1, 16 and 512 rows (at every place in them).
 Attention: a query row computed in a decode (1 query), a verify (16), a prefill chunk (the whole
-prompt), alone and beside other sequences, with the keys split over 1, 2 or 4 programs. Both the
+prompt), alone and beside other sequences, with the keys split over 1, 2 or 4 programs; with keys
+derived from the cached values (Gemma-4's k_eq_v layers, in their geometry), and with the table
+entries before every window stale (window slots given up). Both the
 torch references (the CPU path) and the Triton kernels (on CUDA, else under the interpreter in a
 child pytest, as tests/unit/test_kernels.py does) are held to the same bits, and to the float64
 definitions within the usual tolerances.
@@ -26,7 +28,7 @@ from dflash_serve.kernels.invariant_attention import (
     paged_attention_invariant_triton,
 )
 from dflash_serve.kernels.invariant_linear import InvariantLinear, InvariantSettings, invariant_linear_reference
-from dflash_serve.kernels.paged_attention import paged_attention_reference
+from dflash_serve.kernels.paged_attention import derive_keys, paged_attention_reference
 from tests.unit.test_kernels import (
     DEVICE,
     ON_CUDA,
@@ -125,10 +127,14 @@ WINDOWS = [(True, None), (False, None), (True, 100), (False, 70)]
 
 class Sequences:
     """Paged K/V for sequences of `lengths` and a query per position of each, so that the same
-    position's query is the same tensor in a decode, a verify and a prefill call."""
+    position's query is the same tensor in a decode, a verify and a prefill call.
+
+    `derived_keys`: the cache holds values only (k_cache None) and `keys_from_values` derives the
+    keys (a key norm weight and a RoPE table of the head size); `written_k_cache` holds the keys
+    that writing each derived key at its position would have stored."""
 
     def __init__(self, dtype, device, *, lengths=SEQ_LENS, num_kv_heads=NUM_KV_HEADS, group=GROUP,
-                 head_dim=HEAD_DIM):
+                 head_dim=HEAD_DIM, derived_keys=False):
         g = torch.Generator().manual_seed(0)
         k_cache, v_cache, block_tables = paged_kv(list(lengths.values()), num_kv_heads=num_kv_heads,
                                                   head_dim=head_dim, block_size=BLOCK_SIZE, generator=g)
@@ -138,6 +144,19 @@ class Sequences:
         self.block_tables = block_tables.to(device)
         self.queries = {name: torch.randn(n, num_kv_heads * group, head_dim, generator=g, dtype=torch.float64)
                         .to(dtype).to(device) for name, n in lengths.items()}
+        self.keys_from_values = None
+        if derived_keys:
+            weight = 1 + 0.3 * torch.randn(head_dim, generator=g)
+            inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+            freqs = torch.arange(max(lengths.values())).float()[:, None] * inv_freq[None]
+            self.keys_from_values = (weight.to(device), freqs.cos().to(dtype).to(device),
+                                     freqs.sin().to(dtype).to(device))
+            self.written_k_cache = torch.full_like(self.v_cache, float("nan"))
+            for i, n in enumerate(lengths.values()):
+                positions = torch.arange(n, device=device)
+                slots = self.block_tables[i, positions // BLOCK_SIZE].long(), positions % BLOCK_SIZE
+                self.written_k_cache[slots] = derive_keys(self.v_cache[slots], positions, self.keys_from_values)
+            self.k_cache = None
 
     def call(self, parts: list[tuple[str, int]]):
         """Inputs of one attention call over `parts`: (sequence, its last q_len positions as queries)."""
@@ -213,6 +232,91 @@ def test_invariant_attention_triton_gives_a_row_the_same_bits_in_decode_verify_a
     definition = paged_attention_reference(*(t.double().cpu() if t.is_floating_point() else t.cpu() for t in inputs),
                                            **options)
     assert relative_error(by_split[0], definition) < TOLERANCE[dtype]
+
+
+def with_blocks_before_the_window_stale(inputs, window: int):
+    """A call's inputs with each sequence's table entries of blocks wholly before its first query's
+    window pointed at a block of NaN, as a window slot's entry is once its block gave up the slot
+    (`BlockAllocator`): no query sees those keys, and none may read them."""
+    q, k_cache, v_cache, block_tables, seq_lens, query_start = inputs
+    stale = block_tables.clone()
+    nan_block = int(block_tables[0, -1])  # paged_kv's table padding
+    bounds = query_start.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        first_seen = max(0, seq_len - (bounds[i + 1] - bounds[i]) - window + 1)
+        stale[i, : first_seen // BLOCK_SIZE] = nan_block
+    return q, k_cache, v_cache, stale, seq_lens, query_start
+
+
+STALE_CALLS = ["decode-alone", "verify-alone", "verify-beside-others"]
+
+
+@pytest.mark.parametrize("causal,window", [w for w in WINDOWS if w[1] is not None])
+def test_invariant_attention_reference_reads_no_key_before_the_window(causal, window):
+    sequences = Sequences(torch.bfloat16, "cpu")
+    options = dict(scale=HEAD_DIM**-0.5, causal=causal, window=window)
+    for name in STALE_CALLS:
+        inputs = sequences.call(CALLS[name])
+        stale = paged_attention_invariant_reference(*with_blocks_before_the_window_stale(inputs, window), **options)
+        assert torch.equal(stale, paged_attention_invariant_reference(*inputs, **options)), name
+
+
+@runs_triton
+@pytest.mark.parametrize("causal,window", [w for w in WINDOWS if w[1] is not None])
+def test_invariant_attention_triton_reads_no_key_before_the_window(monkeypatch, causal, window):
+    """Key tiles start at a multiple of 64 keys below the window (A's verify: the window opens at
+    185, the tile at 128, three blocks earlier): those keys must not be loaded, not merely masked,
+    since 0 · NaN is NaN. Split over 1 and 2 programs."""
+    monkeypatch.setattr(invariant_attention, "KEYS_PER_CHUNK", 128)
+    sequences = Sequences(torch.float16, DEVICE)
+    options = dict(scale=HEAD_DIM**-0.5, causal=causal, window=window)
+    for name in STALE_CALLS:
+        inputs = sequences.call(CALLS[name])
+        for splits in (1, 2):
+            stale = paged_attention_invariant_triton(*with_blocks_before_the_window_stale(inputs, window), **options,
+                                                     num_splits=splits)
+            assert torch.equal(stale, paged_attention_invariant_triton(*inputs, **options, num_splits=splits)), name
+
+
+# Gemma-4 31B's global layers at toy size (1 KV head of 16 for 4 query heads), and the tests' usual geometry.
+DERIVED_KEY_GEOMETRIES = {"one-kv-head-of-16": dict(num_kv_heads=1, group=4, head_dim=16), "two-kv-heads-of-32": {}}
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (True, 100)])
+@pytest.mark.parametrize("geometry", list(DERIVED_KEY_GEOMETRIES))
+def test_invariant_attention_reference_with_keys_derived_from_values(geometry, causal, window):
+    """Keys derived from the cached values (k_eq_v): a row has the same bits in every call, and
+    they are those of attention over the keys that writing them would have stored."""
+    sequences = Sequences(torch.bfloat16, "cpu", derived_keys=True, **DERIVED_KEY_GEOMETRIES[geometry])
+    head_dim = sequences.v_cache.shape[-1]
+    options = dict(scale=head_dim**-0.5, causal=causal, window=window)
+    assert_a_rows_agree_across_calls(paged_attention_invariant_reference, sequences,
+                                     dict(options, keys_from_values=sequences.keys_from_values))
+    q, _, v_cache, *rest = sequences.call(CALLS["verify-beside-others"])
+    derived = paged_attention_invariant_reference(q, None, v_cache, *rest, **options,
+                                                  keys_from_values=sequences.keys_from_values)
+    assert torch.equal(derived, paged_attention_invariant_reference(q, sequences.written_k_cache, v_cache, *rest,
+                                                                    **options))
+
+
+@runs_triton
+@pytest.mark.parametrize("causal,window", [(True, None), (True, 100)])
+@pytest.mark.parametrize("geometry", list(DERIVED_KEY_GEOMETRIES))
+def test_invariant_attention_triton_with_keys_derived_from_values(monkeypatch, geometry, causal, window):
+    """The kernel deriving keys tile by tile: a row's bits the same in every call and over 1, 2
+    and 4 programs, and the float64 definition's values over the keys writing would store."""
+    monkeypatch.setattr(invariant_attention, "KEYS_PER_CHUNK", 128)
+    sequences = Sequences(torch.float16, DEVICE, derived_keys=True, **DERIVED_KEY_GEOMETRIES[geometry])
+    head_dim = sequences.v_cache.shape[-1]
+    options = dict(scale=head_dim**-0.5, causal=causal, window=window, keys_from_values=sequences.keys_from_values)
+    assert_a_rows_agree_across_calls(paged_attention_invariant_triton, sequences, options)
+    inputs = sequences.call(CALLS["verify-beside-others"])
+    by_split = [paged_attention_invariant_triton(*inputs, **options, num_splits=splits) for splits in (1, 2, 4)]
+    assert all(torch.equal(out, by_split[0]) for out in by_split[1:])
+    q, _, v_cache, *rest = (None if t is None else t.cpu() for t in inputs)
+    definition = paged_attention_reference(q.double(), sequences.written_k_cache.double().cpu(), v_cache.double(),
+                                           *rest, scale=options["scale"], causal=causal, window=window)
+    assert relative_error(by_split[0], definition) < TOLERANCE[torch.float16]
 
 
 def test_invariant_attention_dispatch(monkeypatch):
