@@ -93,6 +93,16 @@ def fused_unsupported_reason(target: TargetModel) -> str | None:
     return None
 
 
+def deterministic_unsupported_reason(target: TargetModel) -> str | None:
+    """What of a fused target `engine.deterministic` cannot make batch-invariant, or None. Gemma-4's
+    k_eq_v layers, KV groups of several geometries, KV-shared layers and window slots it covers."""
+    if getattr(target.config, "hidden_size_per_layer_input", 0):
+        # The per-layer inputs are computed by the model's own projection (a torch GEMM over all the
+        # forward's rows) and norm, whose rounding may change with the number of rows.
+        return "Gemma-4's per-layer inputs (hidden_size_per_layer_input > 0: E2B, E4B)"
+    return None
+
+
 def rope_tables(target: TargetModel, max_positions: int) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
     """The target's cos/sin tables [max_positions, D/2] by layer type (Gemma: sliding and global
     layers rotate with their own; None: one table for all layers), exactly as transformers computes
@@ -263,7 +273,7 @@ class FusedLayer:
             values_from_keys=hasattr(attn, "k_proj") and getattr(attn, "v_proj", None) is None,
             # Gemma-3 and unscaled Gemma-4 layers skip the multiply (and keep their fused add + norm).
             layer_scalar=None if scalar is None or bool(torch.all(scalar == 1)) else scalar.detach(),
-            per_layer_input=PerLayerInput.from_layer(layer, linear) if getattr(layer, "hidden_size_per_layer_input", 0)
+            per_layer_input=PerLayerInput.from_layer(layer) if getattr(layer, "hidden_size_per_layer_input", 0)
             else None,
         )
 
@@ -273,14 +283,14 @@ class PerLayerInput:
     """Gemma-4's per-layer input (E2B/E4B): after the MLP's residual add, residual +=
     norm(projection(gelu_tanh(gate(residual)) · the layer's slice of the per-layer embeddings))."""
 
-    gate: SkinnyLinear | InvariantLinear
-    projection: SkinnyLinear | InvariantLinear
+    gate: SkinnyLinear
+    projection: SkinnyLinear
     norm: torch.Tensor
 
     @classmethod
-    def from_layer(cls, layer: nn.Module, linear: Linear = SkinnyLinear) -> PerLayerInput:
-        return cls(linear(layer.per_layer_input_gate.weight.detach(), None),
-                   linear(layer.per_layer_projection.weight.detach(), None),
+    def from_layer(cls, layer: nn.Module) -> PerLayerInput:
+        return cls(SkinnyLinear(layer.per_layer_input_gate.weight.detach(), None),
+                   SkinnyLinear(layer.per_layer_projection.weight.detach(), None),
                    _gemma_norm_weight(layer.post_per_layer_input_norm))
 
 
@@ -402,6 +412,10 @@ class FusedTargetRunner:
         reason = fused_unsupported_reason(target)
         if reason is not None:
             raise ValueError(f"{type(target.model).__name__}: no fused forward ({reason}); use target_impl=transformers")
+        reason = deterministic_unsupported_reason(target) if deterministic else None
+        if reason is not None:
+            raise ValueError(f"engine.deterministic does not cover {reason} yet ({type(target.model).__name__}); "
+                             "turn it off to serve this target")
         self.target = target
         self.pool = pool
         cfg = target.config
