@@ -15,6 +15,9 @@
 - `row_argmax`: greedy token choice over a vocabulary (the first index of each row's maximum).
 - `accept_round`: a round's accepted drafts, the row the host reads and the next round's bonus
   tokens and starts, in one launch.
+- `InvariantLinear`, `paged_attention_invariant`: a GEMM and paged attention whose every row has
+  the same bits whatever else is in the batch (`engine.deterministic`): one reduction order over K
+  for any number of rows; attention keys folded in chunks fixed by key position.
 - `sample_race`: seeded sampling (the exponential race with counter-based noise keyed by seed and
   position, greedy rows, top-k / top-p thresholds) of a whole batch in two launches.
 
@@ -25,6 +28,12 @@ reference's math over a whole batch at once. Nothing here imports `dflash_serve.
 
 from dflash_serve.kernels.accept import accept_round, accept_round_reference, accept_round_triton, warm_accept_round
 from dflash_serve.kernels.argmax import row_argmax, row_argmax_reference, row_argmax_triton
+from dflash_serve.kernels.invariant_attention import (
+    paged_attention_invariant,
+    paged_attention_invariant_reference,
+    paged_attention_invariant_triton,
+)
+from dflash_serve.kernels.invariant_linear import InvariantLinear, invariant_linear_reference, invariant_linear_triton
 from dflash_serve.kernels.kv_injection import inject_context_kv, inject_context_kv_reference, inject_context_kv_triton
 from dflash_serve.kernels.paged_attention import (
     paged_attention,
@@ -53,6 +62,7 @@ from dflash_serve.kernels.silu_mul import (
 )
 
 __all__ = [
+    "InvariantLinear",
     "SkinnyLinear",
     "accept_round",
     "accept_round_reference",
@@ -66,8 +76,13 @@ __all__ = [
     "inject_context_kv",
     "inject_context_kv_reference",
     "inject_context_kv_triton",
+    "invariant_linear_reference",
+    "invariant_linear_triton",
     "paged_attention",
     "paged_attention_batched",
+    "paged_attention_invariant",
+    "paged_attention_invariant_reference",
+    "paged_attention_invariant_triton",
     "paged_attention_reference",
     "paged_attention_triton",
     "rms_norm",

@@ -295,8 +295,6 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
 
 if triton is not None:
 
-    # Sizes that differ from one eager forward to the next are not specialized on (Triton compiles a
-    # variant per value's divisibility by 16), so a new batch shape reuses the compiled kernel.
     @triton.jit
     def _key_from_value(v_cache_ptr, v_offsets, key_pos, kv_mask, dims, dim_valid, key_weight_ptr, cos_ptr, sin_ptr,
                         stride_cos, stride_sin, HEAD_DIM: tl.constexpr):
@@ -319,6 +317,59 @@ if triton is not None:
         rotated = (normed * cos).to(dtype).to(tl.float32) + sign * (normed_partner * sin).to(dtype).to(tl.float32)
         return rotated.to(dtype)
 
+    @triton.jit
+    def attend_key_range(
+        q_tile, m_i, l_i, acc, tiles_begin, key_begin, key_end, query_pos, window, scale_log2,
+        k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, dims, dim_valid,
+        stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
+        key_weight_ptr, cos_ptr, sin_ptr, stride_cos, stride_sin,
+        HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, KEYS_FROM_VALUES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """Online softmax of a query tile over keys key_begin to key_end - 1 of one sequence (its block
+        table row), BLOCK_N keys at a time from tiles_begin (<= key_begin), continuing the running max
+        m_i (log2 units), sum l_i and unnormalised output acc; keys a row may not see count for
+        nothing. Keys before key_begin (the start of the first tile, when tiles_begin is below it) are
+        not read: no row sees them, a window slot's entry there may be stale (`BlockAllocator`), and a
+        stale NaN value would reach acc through 0 · v. With KEYS_FROM_VALUES each key tile is derived
+        from its value tile (`_key_from_value`)."""
+        for tile_begin in range(tiles_begin, key_end, BLOCK_N):
+            key_pos = tile_begin + tl.arange(0, BLOCK_N)
+            key_valid = (key_pos >= key_begin) & (key_pos < key_end)
+            page = tl.load(block_table_ptr + key_pos // PAGE_SIZE, mask=key_valid, other=0)
+            page = page.to(tl.int64)
+            kv_mask = key_valid[:, None] & dim_valid[None, :]
+            v_offsets = page * stride_v_block + (key_pos % PAGE_SIZE) * stride_v_offset + kv_head * stride_v_head
+            if KEYS_FROM_VALUES:
+                k = _key_from_value(v_cache_ptr, v_offsets, key_pos, kv_mask, dims, dim_valid, key_weight_ptr, cos_ptr,
+                                    sin_ptr, stride_cos, stride_sin, HEAD_DIM)
+            else:
+                k_offsets = page * stride_k_block + (key_pos % PAGE_SIZE) * stride_k_offset + kv_head * stride_k_head
+                k = tl.load(k_cache_ptr + k_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+
+            scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            visible = key_valid[None, :]
+            if CAUSAL:
+                visible = visible & (key_pos[None, :] <= query_pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (query_pos[:, None] - key_pos[None, :] < window)
+                if not CAUSAL:
+                    visible = visible & (key_pos[None, :] - query_pos[:, None] < window)
+            scores = tl.where(visible, scores, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            # A row that has seen no visible key yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(scores - m_shift[:, None])
+            alpha = tl.exp2(m_i - m_shift)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + v_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    # Sizes that differ from one eager forward to the next are not specialized on (Triton compiles a
+    # variant per value's divisibility by 16), so a new batch shape reuses the compiled kernel.
     @triton.jit(do_not_specialize=["partial_rows_per_split", "stride_block_tables"])
     def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
@@ -376,39 +427,14 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for tile_begin in range(split_begin, split_end, BLOCK_N):
-            key_pos = tile_begin + tl.arange(0, BLOCK_N)
-            key_valid = key_pos < split_end
-            page = tl.load(block_tables_ptr + seq * stride_block_tables + key_pos // PAGE_SIZE, mask=key_valid, other=0)
-            page = page.to(tl.int64)
-            kv_mask = key_valid[:, None] & dim_valid[None, :]
-            v_offsets = page * stride_v_block + (key_pos % PAGE_SIZE) * stride_v_offset + kv_head * stride_v_head
-            if KEYS_FROM_VALUES:
-                k = _key_from_value(v_cache_ptr, v_offsets, key_pos, kv_mask, dims, dim_valid, key_weight_ptr, cos_ptr,
-                                    sin_ptr, stride_cos, stride_sin, HEAD_DIM)
-            else:
-                k_offsets = page * stride_k_block + (key_pos % PAGE_SIZE) * stride_k_offset + kv_head * stride_k_head
-                k = tl.load(k_cache_ptr + k_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-
-            scores = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-            visible = key_valid[None, :]
-            if CAUSAL:
-                visible = visible & (key_pos[None, :] <= query_pos[:, None])
-            if HAS_WINDOW:
-                visible = visible & (query_pos[:, None] - key_pos[None, :] < window)
-                if not CAUSAL:
-                    visible = visible & (key_pos[None, :] - query_pos[:, None] < window)
-            scores = tl.where(visible, scores, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            # A row that has seen no visible key yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(scores - m_shift[:, None])
-            alpha = tl.exp2(m_i - m_shift)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + v_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        m_i, l_i, acc = attend_key_range(
+            q_tile, m_i, l_i, acc, split_begin, split_begin, split_end, query_pos, window, scale_log2,
+            k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_block_tables, kv_head, dims, dim_valid,
+            stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
+            key_weight_ptr, cos_ptr, sin_ptr, stride_cos, stride_sin,
+            HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
+            KEYS_FROM_VALUES=KEYS_FROM_VALUES, DOT_PRECISION=DOT_PRECISION,
+        )
 
         token = q_begin + query
         store_mask = row_valid[:, None] & dim_valid[None, :]

@@ -108,6 +108,11 @@ class EngineConfig(_Config):
     target_impl: TargetImpl = Field("auto", description="The target's forward: fused (our layer code and kernels: "
                                     "Llama, Qwen2, Qwen3 dense), transformers (its own layer code, any causal LM), "
                                     "or auto (fused where it applies).")
+    deterministic: bool = Field(False, description="Batch-invariant target forwards: each token's logits have the "
+                                "same bits whatever else the GPU computes beside it (other sequences, decode, verify or "
+                                "prefill), so greedy output equals target-only decoding bit for bit in bf16 and fp16 "
+                                "too, and a seeded request's output does not depend on the batch. Needs the fused "
+                                "target forward; slower (not yet measured).")
     async_scheduling: bool = Field(True, description="Launch each round before the host has read the last one's "
                                    "results, so sampling, stop checks and streaming overlap the GPU's work (with "
                                    "CUDA graphs and an in-process drafter, or none). Off: one host sync between "
@@ -157,6 +162,13 @@ class EngineConfig(_Config):
         if self.drafter_revision is not None and not self.drafter:
             raise ValueError(f"drafter_revision={self.drafter_revision!r} is set without a drafter: set "
                              "engine.drafter, or remove drafter_revision")
+        return self
+
+    @model_validator(mode="after")
+    def _deterministic_forward(self) -> EngineConfig:
+        if self.deterministic and self.target_impl == "transformers":
+            raise ValueError("deterministic=true needs the fused target forward (its kernels are the batch-invariant "
+                             "ones): set target_impl to auto or fused")
         return self
 
     @field_validator("num_speculative_tokens_per_batch_size", mode="before")

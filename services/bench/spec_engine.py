@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speculation", default="fixed,adaptive",
                         help="comma-separated EngineConfig.speculation modes of the DFlash rows (fixed: all B-1 "
                              "drafts verified every round; adaptive: the load-adaptive policy); AR rows always run")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="batch-invariant target forwards in every row (EngineConfig.deterministic)")
     args = parser.parse_args(argv)
     device = "cuda"
     batches = [int(b) for b in args.batches.split(",")]
@@ -192,13 +194,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{bandwidth / 1e12:.2f} TB/s -> memory floor {floor_ms:.2f} ms per target forward", flush=True)
 
     results = {"device": torch.cuda.get_device_name(), "target_impl": args.target_impl,
-               "async_scheduling": args.async_scheduling == "on", "weight_bytes": weight_bytes,
+               "async_scheduling": args.async_scheduling == "on", "deterministic": args.deterministic,
+               "weight_bytes": weight_bytes,
                "bandwidth": bandwidth, "floor_ms": floor_ms, "rows": []}
     for batch in batches:
         blocks = batch * (-(-(args.prompt_len + args.max_tokens + 32) // 16)) + 64
         base = EngineConfig(target="random-qwen3-8b", device=device, num_kv_blocks=blocks, max_num_seqs=batch,
                             max_prefill_tokens=8192, target_impl=args.target_impl,
-                            async_scheduling=args.async_scheduling == "on")
+                            async_scheduling=args.async_scheduling == "on", deterministic=args.deterministic)
         ar = assemble_engine(base, TargetModel(hf), None)
         run_case(ar, batch, args.prompt_len, 8)  # warm-up: first-use compilations and allocations
         row = {"mode": "AR", "batch": batch, "tau": 1.0, "synthetic": False,

@@ -48,7 +48,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dflash_serve.kernels import SkinnyLinear, add_rms_norm, gelu_tanh_mul, paged_attention, rms_norm, rope_kv_write, silu_mul
+from dflash_serve.kernels import (
+    InvariantLinear,
+    SkinnyLinear,
+    add_rms_norm,
+    gelu_tanh_mul,
+    paged_attention,
+    paged_attention_invariant,
+    rms_norm,
+    rope_kv_write,
+    silu_mul,
+)
 from dflash_serve.services.engine.fused_moe import Gemma4MoeBlock, Qwen3MoeBlock
 from dflash_serve.services.engine.kv_cache import AttentionBatch, KVPool
 from dflash_serve.services.models.target import TargetModel
@@ -62,6 +72,8 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 # transformers' RMSNorm classes with Gemma's float32 scaling, and whether the weight is `1 + w`.
 GEMMA_NORMS = {"Gemma3RMSNorm": True, "Gemma4RMSNorm": False}
 GEMMA_ACTIVATION = "gelu_pytorch_tanh"
+# A layer's GEMMs: SkinnyLinear (fastest), or InvariantLinear (each row's bits independent of the batch).
+Linear = type[SkinnyLinear] | type[InvariantLinear]
 
 
 def fused_unsupported_reason(target: TargetModel) -> str | None:
@@ -76,8 +88,7 @@ def fused_unsupported_reason(target: TargetModel) -> str | None:
             return reason
     elif getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r} (the fused MLP is SiLU·mul)"
-    if target.device.type == "cuda" and any(getattr(layer, "enable_moe_block", False) or hasattr(layer.mlp, "experts")
-                                            for layer in target.layers):
+    if target.device.type == "cuda" and _has_moe_blocks(target):
         # Checked against transformers on the CPU only so far (CUDA graphs over the routing and
         # grouped_mm are tests/gpu's next run): transformers' own code serves these meanwhile.
         return "mixture-of-experts blocks on CUDA (the fused MoE path is not yet checked on a GPU)"
@@ -88,6 +99,24 @@ def fused_unsupported_reason(target: TargetModel) -> str | None:
             return f"RoPE type {rope_type!r} is not one of {', '.join(STATIC_ROPE_TYPES)}"
         if 2 * inv_freq.numel() != layer.self_attn.head_dim:
             return "partial rotary embedding (of fewer frequencies than the head has pairs)"
+    return None
+
+
+def _has_moe_blocks(target: TargetModel) -> bool:
+    """Gemma-4's experts beside its dense MLP, or Qwen3-MoE's sparse layers."""
+    return any(getattr(layer, "enable_moe_block", False) or hasattr(layer.mlp, "experts") for layer in target.layers)
+
+
+def deterministic_unsupported_reason(target: TargetModel) -> str | None:
+    """What of a fused target `engine.deterministic` cannot make batch-invariant, or None. Gemma-4's
+    k_eq_v layers, KV groups of several geometries, KV-shared layers and window slots it covers."""
+    if getattr(target.config, "hidden_size_per_layer_input", 0):
+        # The per-layer inputs are computed by the model's own projection (a torch GEMM over all the
+        # forward's rows) and norm, whose rounding may change with the number of rows.
+        return "Gemma-4's per-layer inputs (hidden_size_per_layer_input > 0: E2B, E4B)"
+    if _has_moe_blocks(target):
+        # An expert's GEMM takes the rows routed to it, whose number depends on the whole batch.
+        return "mixture-of-experts blocks (an expert's rows depend on the batch)"
     return None
 
 
@@ -189,10 +218,10 @@ class FusedLayer:
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor  # HF's post_attention_layernorm: Llama's MLP input norm, Gemma's attention output norm
-    qkv: SkinnyLinear
-    o: SkinnyLinear
-    gate_up: SkinnyLinear | None  # None: a Qwen3-MoE sparse layer (its experts are its MLP)
-    down: SkinnyLinear | None
+    qkv: SkinnyLinear | InvariantLinear
+    o: SkinnyLinear | InvariantLinear
+    gate_up: SkinnyLinear | InvariantLinear | None  # None: a Qwen3-MoE sparse layer (its experts are its MLP)
+    down: SkinnyLinear | InvariantLinear | None
     q_norm: torch.Tensor | None  # Qwen3's and Gemma's per-head norms
     k_norm: torch.Tensor | None
     scaling: float
@@ -214,8 +243,9 @@ class FusedLayer:
 
     @classmethod
     def from_layer(cls, layer: nn.Module, *, scaling: float, window: int | None, causal: bool = True,
-                   rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> FusedLayer:
-        """From a Llama/Qwen-style layer (HF's, or the drafter's: the same module names)."""
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None, linear: Linear = SkinnyLinear) -> FusedLayer:
+        """From a Llama/Qwen-style layer (HF's, or the drafter's: the same module names); its GEMMs
+        are `linear`s."""
         attn, mlp = layer.self_attn, layer.mlp
         qkv, qkv_bias = _merged([attn.q_proj, attn.k_proj, attn.v_proj])
         moe = Qwen3MoeBlock.from_module(mlp, silu_mul) if hasattr(mlp, "experts") else None
@@ -224,10 +254,10 @@ class FusedLayer:
         return cls(
             input_norm=layer.input_layernorm.weight.detach(),
             post_attention_norm=layer.post_attention_layernorm.weight.detach(),
-            qkv=SkinnyLinear(qkv, qkv_bias),
-            o=SkinnyLinear(attn.o_proj.weight.detach(), _param(attn.o_proj.bias)),
-            gate_up=None if dense is None else SkinnyLinear(*dense),
-            down=None if dense is None else SkinnyLinear(mlp.down_proj.weight.detach(), _param(mlp.down_proj.bias)),
+            qkv=linear(qkv, qkv_bias),
+            o=linear(attn.o_proj.weight.detach(), _param(attn.o_proj.bias)),
+            gate_up=None if dense is None else linear(*dense),
+            down=None if dense is None else linear(mlp.down_proj.weight.detach(), _param(mlp.down_proj.bias)),
             q_norm=None if q_norm is None else q_norm.weight.detach(),
             k_norm=None if k_norm is None else k_norm.weight.detach(),
             scaling=scaling, window=window, causal=causal, rope=rope, moe=moe,
@@ -235,10 +265,10 @@ class FusedLayer:
 
     @classmethod
     def from_gemma_layer(cls, layer: nn.Module, *, rope: tuple[torch.Tensor, torch.Tensor],
-                         num_kv_heads: int) -> FusedLayer:
+                         num_kv_heads: int, linear: Linear = SkinnyLinear) -> FusedLayer:
         """From a Gemma-3/4 decoder layer: four norms, q/k norms (and Gemma-4's value norm); a
         Gemma-4 layer may have no value projection (k_eq_v), no K/V of its own (it reads an
-        earlier layer's), a per-layer input and an output scale."""
+        earlier layer's), a per-layer input and an output scale. Its GEMMs are `linear`s."""
         attn, mlp = layer.self_attn, layer.mlp
         projections = [attn.q_proj] + [p for p in (getattr(attn, "k_proj", None), getattr(attn, "v_proj", None))
                                        if p is not None]
@@ -248,10 +278,10 @@ class FusedLayer:
         return cls(
             input_norm=_gemma_norm_weight(layer.input_layernorm),
             post_attention_norm=_gemma_norm_weight(layer.post_attention_layernorm),
-            qkv=SkinnyLinear(qkv, qkv_bias),
-            o=SkinnyLinear(attn.o_proj.weight.detach(), _param(attn.o_proj.bias)),
-            gate_up=SkinnyLinear(gate_up, gate_up_bias),
-            down=SkinnyLinear(mlp.down_proj.weight.detach(), _param(mlp.down_proj.bias)),
+            qkv=linear(qkv, qkv_bias),
+            o=linear(attn.o_proj.weight.detach(), _param(attn.o_proj.bias)),
+            gate_up=linear(gate_up, gate_up_bias),
+            down=linear(mlp.down_proj.weight.detach(), _param(mlp.down_proj.bias)),
             q_norm=_gemma_norm_weight(attn.q_norm),
             k_norm=_gemma_norm_weight(attn.k_norm) if hasattr(attn, "k_norm") else None,
             scaling=float(attn.scaling), window=attn.sliding_window, causal=True, rope=rope,
@@ -290,7 +320,9 @@ class FusedStack:
     """Decoder layers in the fused layout over one paged KV pool: the target's, or the drafter's
     block forward (the same layer, non-causal where the drafter says so).
 
-    `gemma`: the layers are Gemma's (sandwich norms scaled in float32, GELU-tanh MLP)."""
+    `gemma`: the layers are Gemma's (sandwich norms scaled in float32, GELU-tanh MLP).
+    `batch_invariant`: attention by `paged_attention_invariant` (a row's bits independent of the
+    batch; the layers' GEMMs must then be InvariantLinear too)."""
 
     layers: list[FusedLayer]
     final_norm: torch.Tensor
@@ -299,6 +331,7 @@ class FusedStack:
     num_kv_heads: int
     eps: float
     gemma: bool = False
+    batch_invariant: bool = False
 
     def __post_init__(self):
         self.activation: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_mul if self.gemma else silu_mul
@@ -378,9 +411,10 @@ class FusedStack:
                           num_kv_heads=layer.num_kv_heads or self.num_kv_heads,
                           q_norm_weight=layer.q_norm, k_norm_weight=layer.k_norm, eps=self.eps,
                           scale_in_float32=self.gemma, v_norm=layer.v_norm, values_from_keys=layer.values_from_keys)
-        attn = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start,
-                               scale=layer.scaling, causal=layer.causal, window=layer.window,
-                               max_query_len=batch.max_query_len, keys_from_values=layer.keys_from_values)
+        attention = paged_attention_invariant if self.batch_invariant else paged_attention
+        attn = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start,
+                         scale=layer.scaling, causal=layer.causal, window=layer.window,
+                         max_query_len=batch.max_query_len, keys_from_values=layer.keys_from_values)
         return layer.o(attn.view(attn.shape[0], -1))
 
     def _mlp(self, layer: FusedLayer, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -391,28 +425,38 @@ class FusedStack:
 
 
 class FusedTargetRunner:
-    """Runs a `TargetModel` of a fused family over packed tokens with its KV in a `KVPool`."""
+    """Runs a `TargetModel` of a fused family over packed tokens with its KV in a `KVPool`.
 
-    def __init__(self, target: TargetModel, pool: KVPool, *, max_positions: int):
+    `deterministic` (`EngineConfig.deterministic`): every GEMM (the LM head's too) is an
+    InvariantLinear and attention is batch-invariant, so a token's logits have the same bits in a
+    decode, a verify or a prefill, whatever else is in the batch (the norms, RoPE, activations and
+    the embedding are per-row kernels already)."""
+
+    def __init__(self, target: TargetModel, pool: KVPool, *, max_positions: int, deterministic: bool = False):
         reason = fused_unsupported_reason(target)
         if reason is not None:
             raise ValueError(f"{type(target.model).__name__}: no fused forward ({reason}); use target_impl=transformers")
+        reason = deterministic_unsupported_reason(target) if deterministic else None
+        if reason is not None:
+            raise ValueError(f"engine.deterministic does not cover {reason} yet ({type(target.model).__name__}); "
+                             "turn it off to serve this target")
         self.target = target
         self.pool = pool
         cfg = target.config
         text_model = _text_model(target)
         gemma = cfg.model_type in GEMMA_FAMILIES
+        linear = InvariantLinear if deterministic else SkinnyLinear
         # One cos/sin table per layer type (Gemma: sliding layers rotate with a local base), shared.
         tables = rope_tables(target, max_positions)
         kv_heads = [spec.num_kv_heads for spec in pool.layout]
         with torch.no_grad():
             if gemma:
-                layers = [FusedLayer.from_gemma_layer(layer, rope=tables[kind], num_kv_heads=heads)
+                layers = [FusedLayer.from_gemma_layer(layer, rope=tables[kind], num_kv_heads=heads, linear=linear)
                           for layer, kind, heads in zip(target.layers, layer_rope_kinds(target), kv_heads, strict=True)]
                 final_norm = _gemma_norm_weight(text_model.norm)
             else:
                 layers = [FusedLayer.from_layer(layer, scaling=float(layer.self_attn.scaling), rope=tables[None],
-                                                window=getattr(layer.self_attn, "sliding_window", None))
+                                                window=getattr(layer.self_attn, "sliding_window", None), linear=linear)
                           for layer in target.layers]
                 final_norm = text_model.norm.weight.detach()
         # A layer whose keys the cache derives from its values (k_eq_v; or one reading such a
@@ -422,7 +466,9 @@ class FusedTargetRunner:
                 owner = index if spec.reads_layer is None else spec.reads_layer
                 layer.keys_from_values = (layers[owner].k_norm, *layer.rope)
         self.stack = FusedStack(layers, final_norm, pool, cfg.num_attention_heads, kv_heads[0],
-                                float(cfg.rms_norm_eps), gemma=gemma)
+                                float(cfg.rms_norm_eps), gemma=gemma, batch_invariant=deterministic)
+        # None: the target's own LM head (a SkinnyLinear, which hands more than 16 rows to cuBLAS).
+        self.lm_head = InvariantLinear(target.lm_head.weight, target.lm_head.bias) if deterministic else None
         # Gemma-4 E2B/E4B: the per-layer inputs are computed once per forward by the model's own
         # embedding, projection and norm (a few small ops), then each layer takes its slice.
         self._text_model = text_model if getattr(cfg, "hidden_size_per_layer_input", 0) else None
@@ -448,5 +494,5 @@ class FusedTargetRunner:
                 embeds[None], self._text_model.get_per_layer_inputs(input_ids[None]))[0]
         # Every target layer carries its RoPE table: none is passed to the stack.
         x = self.stack.forward(embeds, positions, None, None, batch, keep, per_layer_inputs)
-        logits = self.target.logits(x[logits_rows])
+        logits = self.target.logits(x[logits_rows], self.lm_head)
         return logits, torch.cat(features, dim=-1) if features else None

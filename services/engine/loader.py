@@ -104,9 +104,10 @@ def allocate_target_kv(layout: list[LayerKV], num_blocks: int, scratch: int, blo
     return pool, allocator
 
 
-def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions: int
+def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions: int, deterministic: bool = False
                   ) -> TargetRunner | FusedTargetRunner:
-    """The target's forward for `EngineConfig.target_impl`; auto takes the fused one where it applies."""
+    """The target's forward for `EngineConfig.target_impl`; auto takes the fused one where it applies.
+    `deterministic` needs the fused one (EngineConfig refuses it with target_impl=transformers)."""
     name = type(target.model).__name__
     reason = unservable_reason(target)
     if reason is not None:
@@ -116,10 +117,14 @@ def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions
         return TargetRunner(target, pool, max_positions=max_positions)
     reason = fused_unsupported_reason(target)
     if reason is None:
-        log.info("target forward: fused layers for %s (target_impl=%s)", name, impl)
-        return FusedTargetRunner(target, pool, max_positions=max_positions)
+        log.info("target forward: fused layers for %s (target_impl=%s%s)", name, impl,
+                 ", batch-invariant kernels" if deterministic else "")
+        return FusedTargetRunner(target, pool, max_positions=max_positions, deterministic=deterministic)
     if impl == "fused":
         raise ValueError(f"target_impl=fused: {name} has no fused forward ({reason}); use auto or transformers")
+    if deterministic:
+        raise ValueError(f"deterministic=true: {name} has no fused forward ({reason}), and only the fused forward "
+                         "has batch-invariant kernels; turn deterministic off to serve it")
     log.info("target forward: transformers layer code for %s (no fused forward: %s)", name, reason)
     return TargetRunner(target, pool, max_positions=max_positions)
 
@@ -183,7 +188,8 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
     pool, allocator = allocate_target_kv(t_layout, blocks, scratch, config.kv_block_size, window_slots, dtype, device)
     # A round chained after one not yet read may start a whole block further on (Engine.step).
     max_positions = max_len + 2 * lookahead
-    runner = target_runner(config.target_impl, target, pool, max_positions=max_positions)
+    runner = target_runner(config.target_impl, target, pool, max_positions=max_positions,
+                           deterministic=config.deterministic)
     proposer = None
     if drafter is not None:
         draft_pool = KVPool.allocate(d_layers, blocks, config.kv_block_size, d_heads, d_dim, dtype, device)

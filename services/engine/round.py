@@ -501,4 +501,5 @@ class Rounds:
             self._lose_proposer(err)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        return SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs], self.device)
+        return SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs], self.device,
+                                   batch_invariant=self.config.deterministic)

@@ -98,7 +98,11 @@ class SamplingBatch:
     any_top_k: bool  # among truncating requests
     any_top_p: bool
     max_top_k: int
-    needs_full_sort: bool  # a truncating request uses top-p without top-k
+    # A truncating request uses top-p without top-k; or, batch-invariantly, top-p at all: then every
+    # top-p row takes its softmax and cumulative sum over the whole sorted vocabulary, one width
+    # whatever the other requests' top-k (else the batch's largest top-k, whose width changes the
+    # sums' rounding and so, at a near-tie, the nucleus).
+    needs_full_sort: bool
 
     @property
     def truncates(self) -> bool:
@@ -118,7 +122,10 @@ class SamplingBatch:
                    all_greedy=False, any_top_k=False, any_top_p=False, max_top_k=0, needs_full_sort=False)
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], device: torch.device | str) -> SamplingBatch:
+    def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], device: torch.device | str, *,
+              batch_invariant: bool = False) -> SamplingBatch:
+        """`batch_invariant` (`EngineConfig.deterministic`): a request's draws do not depend on the
+        other requests' parameters (see `needs_full_sort`)."""
         if len(params) != len(seeds):
             raise ValueError(f"{len(params)} sampling params but {len(seeds)} seeds")
         if all(p.greedy for p in params):  # no copies
@@ -135,7 +142,7 @@ class SamplingBatch:
             any_top_k=bool(top_ks),
             any_top_p=any(params[i].top_p < 1 for i in truncated),
             max_top_k=max(top_ks, default=0),
-            needs_full_sort=any(params[i].top_p < 1 and params[i].top_k == 0 for i in truncated),
+            needs_full_sort=any(params[i].top_p < 1 and (params[i].top_k == 0 or batch_invariant) for i in truncated),
         )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -176,9 +176,11 @@ class TargetModel:
         """The target's own input embedding, with whatever scaling it applies (Gemma: × sqrt(H))."""
         return self.input_embeddings(ids)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head on final-normed hidden states, with the target's softcap (Gemma) applied."""
-        logits = self.lm_head(hidden)
+    def logits(self, hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+               ) -> torch.Tensor:
+        """LM head (`lm_head` over the same weight, or the target's own) on final-normed hidden
+        states, with the target's softcap (Gemma) applied."""
+        logits = (self.lm_head if lm_head is None else lm_head)(hidden)
         cap = self.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 

@@ -239,3 +239,23 @@ def test_truncation_edges():
     assert not (plain == 2).any() and set(plain.unique().tolist()) == {0, 1, 3, 4}
     top1 = sample(logits, [SamplingParams(top_k=1, temperature=5.0, seed=s) for s in range(200)], positions)
     assert (top1 == 1).all()
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_batch_invariant_top_p_threshold_does_not_depend_on_the_other_requests(device):
+    """engine.deterministic: a top-p request's nucleus is taken over the whole sorted vocabulary,
+    so its threshold has the same bits alone and beside requests with other truncations (without
+    it, the softmax and cumulative sum run over the batch's largest top-k)."""
+    logits = torch.randn(3, 4, 1000, generator=torch.Generator().manual_seed(0)).to(device)
+    request = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1)
+    others = [SamplingParams(temperature=1.0, top_k=300, seed=2), SamplingParams(temperature=1.0, top_p=0.5, seed=3)]
+
+    def thresholds(params: list[SamplingParams], rows: list[int]) -> torch.Tensor:
+        batch = SamplingBatch.build(params, [p.seed for p in params], device, batch_invariant=True)
+        assert batch.needs_full_sort
+        return sampling._thresholds(logits[rows], batch)
+
+    alone = thresholds([request], [0])
+    beside_others = thresholds([others[0], request, others[1]], [1, 0, 2])
+    assert torch.equal(beside_others[1], alone[0])
+    assert torch.isfinite(alone).all()  # a nucleus narrower than the vocabulary in every row
