@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from dflash_serve.kernels.paged_attention import PROGRAMS_PER_SM, _num_sms, derive_keys
+from dflash_serve.kernels.paged_attention import PROGRAMS_PER_SM, AttentionLaunch, _num_sms, derive_keys
 
 try:
     import triton
@@ -122,26 +122,10 @@ def paged_attention_invariant_triton(q, k_cache, v_cache, block_tables, seq_lens
                                      window=None, max_query_len=None, out=None, num_splits=None,
                                      keys_from_values=None) -> torch.Tensor:
     """The Triton path of `paged_attention_invariant`; num_splits None chooses from the shapes."""
-    total_q, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = v_cache.shape
-    num_seqs = seq_lens.shape[0]
-    group = num_heads // num_kv_heads
-    if keys_from_values is None:
-        key_weight, cos, sin = q, q, q  # not read
-        assert k_cache.shape == v_cache.shape and k_cache.stride(-1) == 1
-    else:
-        key_weight, cos, sin = keys_from_values
-        k_cache = v_cache  # not read
-        assert head_dim % 2 == 0 and key_weight.dtype == torch.float32 and key_weight.is_contiguous()
-        assert cos.stride(1) == 1 and sin.stride(1) == 1 and cos.dtype == sin.dtype == v_cache.dtype
-    assert num_heads == group * num_kv_heads and v_cache.shape[-1] == head_dim
-    assert q.stride(-1) == 1 and v_cache.stride(-1) == 1
-    assert window is None or window >= 1
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
-    if max_query_len is None:
-        max_query_len = int((query_start[1:] - query_start[:-1]).max()) if num_seqs else 0
+    a = AttentionLaunch.check(q, k_cache, v_cache, seq_lens, query_start, window, max_query_len, out, keys_from_values)
+    total_q, num_heads, head_dim, block_size, num_kv_heads, num_seqs, group = (
+        a.total_q, a.num_heads, a.head_dim, a.block_size, a.num_kv_heads, a.num_seqs, a.group)
+    k_cache, key_weight, cos, sin, out, max_query_len = a.k_cache, a.key_weight, a.cos, a.sin, a.out, a.max_query_len
     if total_q == 0 or max_query_len == 0:
         return out
 

@@ -22,6 +22,7 @@ import functools
 import math
 import os
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
@@ -222,6 +223,54 @@ def choose_num_kv_splits(num_programs: int, max_keys: int, device: torch.device)
     return 1 << (splits.bit_length() - 1)
 
 
+@dataclass
+class AttentionLaunch:
+    """A paged attention call's shapes and arguments, checked once for both Triton paths (this
+    module's and `invariant_attention`'s): with `keys_from_values` the key cache is the value
+    cache (never read as keys) and the key weight and rope tables are the derived keys' inputs;
+    without, they are placeholders the kernels do not read."""
+
+    total_q: int
+    num_heads: int
+    head_dim: int
+    block_size: int
+    num_kv_heads: int
+    num_seqs: int
+    group: int
+    k_cache: torch.Tensor
+    key_weight: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    out: torch.Tensor
+    max_query_len: int
+
+    @classmethod
+    def check(cls, q, k_cache, v_cache, seq_lens, query_start, window, max_query_len, out, keys_from_values
+              ) -> AttentionLaunch:
+        total_q, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = v_cache.shape
+        num_seqs = seq_lens.shape[0]
+        group = num_heads // num_kv_heads
+        if keys_from_values is None:
+            key_weight, cos, sin = q, q, q  # not read
+            assert k_cache.shape == v_cache.shape and k_cache.stride(-1) == 1
+        else:
+            key_weight, cos, sin = keys_from_values
+            k_cache = v_cache  # not read
+            assert head_dim % 2 == 0 and key_weight.dtype == torch.float32 and key_weight.is_contiguous()
+            assert cos.stride(1) == 1 and sin.stride(1) == 1 and cos.dtype == sin.dtype == v_cache.dtype
+        assert num_heads == group * num_kv_heads and v_cache.shape[-1] == head_dim
+        assert q.stride(-1) == 1 and v_cache.stride(-1) == 1
+        assert window is None or window >= 1
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+        if max_query_len is None:
+            max_query_len = int((query_start[1:] - query_start[:-1]).max()) if num_seqs else 0
+        return cls(total_q, num_heads, head_dim, block_size, num_kv_heads, num_seqs, group, k_cache, key_weight, cos,
+                   sin, out, max_query_len)
+
+
 def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start, *, scale, causal, window=None,
                            max_query_len=None, out=None, num_kv_splits=None, keys_from_values=None) -> torch.Tensor:
     """The Triton path of `paged_attention`; num_kv_splits None chooses from the shapes alone.
@@ -231,26 +280,10 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     once for the whole group and the M dimension of the dots is filled even at q_len 1. With
     `keys_from_values` each key tile is computed from its value tile.
     """
-    total_q, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = v_cache.shape
-    num_seqs = seq_lens.shape[0]
-    group = num_heads // num_kv_heads
-    if keys_from_values is None:
-        key_weight, cos, sin = q, q, q  # not read
-        assert k_cache.shape == v_cache.shape and k_cache.stride(-1) == 1
-    else:
-        key_weight, cos, sin = keys_from_values
-        k_cache = v_cache  # not read
-        assert head_dim % 2 == 0 and key_weight.dtype == torch.float32 and key_weight.is_contiguous()
-        assert cos.stride(1) == 1 and sin.stride(1) == 1 and cos.dtype == sin.dtype == v_cache.dtype
-    assert num_heads == group * num_kv_heads and v_cache.shape[-1] == head_dim
-    assert q.stride(-1) == 1 and v_cache.stride(-1) == 1
-    assert window is None or window >= 1
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
-    if max_query_len is None:
-        max_query_len = int((query_start[1:] - query_start[:-1]).max()) if num_seqs else 0
+    a = AttentionLaunch.check(q, k_cache, v_cache, seq_lens, query_start, window, max_query_len, out, keys_from_values)
+    total_q, num_heads, head_dim, block_size, num_kv_heads, num_seqs, group = (
+        a.total_q, a.num_heads, a.head_dim, a.block_size, a.num_kv_heads, a.num_seqs, a.group)
+    k_cache, key_weight, cos, sin, out, max_query_len = a.k_cache, a.key_weight, a.cos, a.sin, a.out, a.max_query_len
     if total_q == 0 or max_query_len == 0:
         return out
 
