@@ -28,11 +28,10 @@ over exactly the keys it sees, so nothing else in the batch can reach it.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-from dflash_serve.kernels.paged_attention import PROGRAMS_PER_SM, AttentionLaunch, _num_sms, derive_keys
+from dflash_serve.kernels.paged_attention import PROGRAMS_PER_SM, AttentionLaunch, _num_sms, _runs_triton, derive_keys
 
 try:
     import triton
@@ -42,7 +41,6 @@ try:
 except ImportError:  # CPU-only installs run the reference
     triton = None
 
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Keys per chunk: a multiple of every key tile. Fewer would split short contexts over more
 # programs at small batch, and cost more partials to write and fold. Not yet tuned on a GPU.
 KEYS_PER_CHUNK = 512
@@ -60,12 +58,6 @@ def paged_attention_invariant(q, k_cache, v_cache, block_tables, seq_lens, query
     if _runs_triton(q):
         return paged_attention_invariant_triton(*args, **kwargs)
     return paged_attention_invariant_reference(*args, **kwargs)
-
-
-def _runs_triton(x: torch.Tensor) -> bool:
-    if triton is None or x.dtype not in TRITON_DTYPES:
-        return False
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def paged_attention_invariant_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start, *, scale, causal,
