@@ -37,7 +37,7 @@ try:
     import triton
     import triton.language as tl
 
-    from dflash_serve.kernels.paged_attention import attend_key_range
+    from dflash_serve.kernels.paged_attention import attend_key_range, query_tile_keys
 except ImportError:  # CPU-only installs run the reference
     triton = None
 
@@ -162,28 +162,11 @@ if triton is not None:
                     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, KEYS_PER_CHUNK: tl.constexpr):
         """A query tile's rows (query q_begin + query of head `head_in_group` of the kv head's group)
         and the chunks any of them sees; q_len 0 past the sequence's queries (nothing to do)."""
-        QUERIES_PER_TILE: tl.constexpr = BLOCK_M // GROUP
-        q_begin = tl.load(query_start_ptr + seq)
-        q_len = tl.load(query_start_ptr + seq + 1) - q_begin
-        seq_len = tl.load(seq_lens_ptr + seq)
-        tile_first = tile * QUERIES_PER_TILE
-        rows = tl.arange(0, BLOCK_M)
-        query = tile_first + rows // GROUP
-        row_valid = (rows < QUERIES_PER_TILE * GROUP) & (query < q_len)
-        query_pos = seq_len - q_len + query
-        first_pos = seq_len - q_len + tile_first
-        last_pos = seq_len - q_len + tl.minimum(tile_first + QUERIES_PER_TILE, q_len) - 1
-        key_begin = 0
-        key_end = seq_len
-        if CAUSAL:
-            key_end = last_pos + 1
-        if HAS_WINDOW:
-            key_begin = tl.maximum(first_pos - window + 1, 0)
-            if not CAUSAL:
-                key_end = tl.minimum(last_pos + window, seq_len)
+        q_begin, q_len, tile_first, query, head_in_group, row_valid, query_pos, key_begin, key_end = query_tile_keys(
+            seq_lens_ptr, query_start_ptr, seq, tile, window, GROUP, BLOCK_M, CAUSAL, HAS_WINDOW)
         first_chunk = key_begin // KEYS_PER_CHUNK
         end_chunk = tl.cdiv(key_end, KEYS_PER_CHUNK)
-        return q_begin, q_len, tile_first, query, rows % GROUP, row_valid, query_pos, key_begin, key_end, \
+        return q_begin, q_len, tile_first, query, head_in_group, row_valid, query_pos, key_begin, key_end, \
             first_chunk, end_chunk
 
     @triton.jit

@@ -351,6 +351,34 @@ if triton is not None:
         return rotated.to(dtype)
 
     @triton.jit
+    def query_tile_keys(seq_lens_ptr, query_start_ptr, seq, tile, window, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+        """A query tile's rows and the keys any of them can see (both attention kernels' tiling).
+        Row r of the tile is query tile_first + r // GROUP of head r % GROUP of the kv head's group;
+        keys [key_begin, key_end): tiles outside the causal frontier or the window are skipped. A
+        tile past the sequence's queries has tile_first >= q_len (nothing to do)."""
+        QUERIES_PER_TILE: tl.constexpr = BLOCK_M // GROUP
+        q_begin = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+        seq_len = tl.load(seq_lens_ptr + seq)
+        tile_first = tile * QUERIES_PER_TILE
+        rows = tl.arange(0, BLOCK_M)
+        query = tile_first + rows // GROUP
+        row_valid = (rows < QUERIES_PER_TILE * GROUP) & (query < q_len)
+        query_pos = seq_len - q_len + query
+        first_pos = seq_len - q_len + tile_first
+        last_pos = seq_len - q_len + tl.minimum(tile_first + QUERIES_PER_TILE, q_len) - 1
+        key_begin = 0
+        key_end = seq_len
+        if CAUSAL:
+            key_end = last_pos + 1
+        if HAS_WINDOW:
+            key_begin = tl.maximum(first_pos - window + 1, 0)
+            if not CAUSAL:
+                key_end = tl.minimum(last_pos + window, seq_len)
+        return q_begin, q_len, tile_first, query, rows % GROUP, row_valid, query_pos, key_begin, key_end
+
+    @triton.jit
     def attend_key_range(
         q_tile, m_i, l_i, acc, tiles_begin, key_begin, key_end, query_pos, window, scale_log2,
         k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, dims, dim_valid,
@@ -417,39 +445,18 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         KEYS_FROM_VALUES: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
-        QUERIES_PER_TILE: tl.constexpr = BLOCK_M // GROUP
         tile = tl.program_id(0)
         seq = tl.program_id(1)
         kv_head = tl.program_id(2) // NUM_SPLITS
         split = tl.program_id(2) % NUM_SPLITS
 
-        q_begin = tl.load(query_start_ptr + seq)
-        q_len = tl.load(query_start_ptr + seq + 1) - q_begin
-        tile_first = tile * QUERIES_PER_TILE
+        q_begin, q_len, tile_first, query, head_in_group, row_valid, query_pos, key_begin, key_end = query_tile_keys(
+            seq_lens_ptr, query_start_ptr, seq, tile, window, GROUP, BLOCK_M, CAUSAL, HAS_WINDOW)
         if tile_first >= q_len:
             return
-        seq_len = tl.load(seq_lens_ptr + seq)
-
-        # Row r of the tile is query tile_first + r // GROUP of head kv_head * GROUP + r % GROUP.
-        rows = tl.arange(0, BLOCK_M)
-        query = tile_first + rows // GROUP
-        head = kv_head * GROUP + rows % GROUP
-        row_valid = (rows < QUERIES_PER_TILE * GROUP) & (query < q_len)
-        query_pos = seq_len - q_len + query
+        head = kv_head * GROUP + head_in_group
         dims = tl.arange(0, BLOCK_D)
         dim_valid = dims < HEAD_DIM
-
-        # Keys any row of the tile can see; tiles outside the causal frontier or window are skipped.
-        first_pos = seq_len - q_len + tile_first
-        last_pos = seq_len - q_len + tl.minimum(tile_first + QUERIES_PER_TILE, q_len) - 1
-        key_begin = 0
-        key_end = seq_len
-        if CAUSAL:
-            key_end = last_pos + 1
-        if HAS_WINDOW:
-            key_begin = tl.maximum(first_pos - window + 1, 0)
-            if not CAUSAL:
-                key_end = tl.minimum(last_pos + window, seq_len)
         split_keys = tl.cdiv(tl.cdiv(key_end - key_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
         split_begin = key_begin + split * split_keys
         split_end = tl.minimum(split_begin + split_keys, key_end)
