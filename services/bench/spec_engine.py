@@ -1,13 +1,14 @@
 """GPU benchmark of the engine at real scale: AR vs DFlash tokens/s and a per-step breakdown.
 
-Random-weight Qwen3-8B-shaped target and Qwen3-8B-DFlash-b16-shaped drafter are built on the
-GPU (no weights to download). Random drafts are never accepted, so DFlash rows use the
-benchmark-only SYNTHETIC acceptance (`Engine.synthetic`, synthetic_acceptance.py): every round is
-forced to accept a fixed number of drafts. Every DFlash row says so; no default ever turns it on.
+Random-weight targets of real shapes (`--shape`: Qwen3-8B, Gemma-4-31B, Gemma-4-26B-A4B,
+Qwen3-30B-A3B) and drafters of their z-lab DFlash checkpoints' shapes are built on the GPU (no
+weights to download). Random drafts are never accepted, so DFlash rows use the benchmark-only
+SYNTHETIC acceptance (`Engine.synthetic`, synthetic_acceptance.py): every round is forced to
+accept a fixed number of drafts. Every DFlash row says so; no default ever turns it on.
 
-    python -m dflash_serve.services.bench.spec_engine --out BENCH.json
+    python -m dflash_serve.services.bench.spec_engine --shape qwen3-8b --out BENCH.json
 
-Reported per (mode, batch):
+Reported per (target impl, mode, batch):
 - tok/s: output tokens per second of the decode phase (prefill excluded), no syncs inside steps;
 - step ms: wall time per engine step (one round for every sequence);
 - draft / verify / accept / host ms per round: device times of the phases (CUDA events, no syncs)
@@ -15,8 +16,11 @@ Reported per (mode, batch):
   when rounds are chained: `EngineConfig.async_scheduling`);
 - forward ms: one graph replay of the verify (B tokens per sequence) and of the draft forward on
   the run's own batch (real contexts), after prefill, and a kernel census of each at those contexts.
-Goals (issue 3): AR batch-1 decode ≥ 80% of the memory floor (weight bytes / copy bandwidth);
-DFlash step ≤ 1.25 × (one 16-token verify + one draft forward).
+The memory floor is the time to read the weights one batch-1 decode step touches: every weight but
+the input embedding's unread rows (when it is not the LM head too) and, in mixture-of-experts
+layers, the experts not routed to (top-k of them are read).
+Goals (issues 3 and 61): AR batch-1 decode ≥ 80% of the memory floor (Qwen3-8B), ≥ 75% (Gemma-4-31B),
+within 1.3× of it (Gemma-4-26B-A4B); DFlash step ≤ 1.25 × (one 16-token verify + one draft forward).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import json
 import time
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import (Gemma4ForCausalLM, Gemma4TextConfig, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from dflash_serve.services.bench.timing import cuda_ms_per_call
 from dflash_serve.services.config import SPECULATION_MODES, EngineConfig
@@ -46,20 +51,83 @@ QWEN3_8B_DFLASH_B16 = {
     "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
 }
 
+# google/gemma-4-31B-it and gemma-4-26B-A4B-it's text configs (five sliding layers of 16 (8) KV heads
+# of 256, then a global one of 4 (2) KV heads of 512 whose values are its keys), and the z-lab
+# drafters' (dflash-spec §1.8, §2.2): four sliding-window layers (W 2048) and a full one.
+_GEMMA4_ROPE = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+_GEMMA4_COMMON = dict(vocab_size=262144, head_dim=256, global_head_dim=512, attention_k_eq_v=True,
+                      sliding_window=1024, final_logit_softcapping=30.0, rms_norm_eps=1e-6,
+                      max_position_embeddings=131072, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+                      tie_word_embeddings=True, rope_parameters=_GEMMA4_ROPE)
+GEMMA4_31B = dict(_GEMMA4_COMMON, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
+                  num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4,
+                  layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10)
+GEMMA4_26B_A4B = dict(_GEMMA4_COMMON, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                      num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2,
+                      layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5,
+                      enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704)
+# Qwen3-30B-A3B: every layer sparse, 128 experts of 768 routed top-8.
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, rope_theta=1e6,
+                     max_position_embeddings=40960, tie_word_embeddings=False, num_experts=128,
+                     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)
 
-def build_models(device: str) -> tuple[Qwen3ForCausalLM, DFlashDraftModel]:
+
+def _zlab_drafter(hidden: int, mlp: int, layers: int, heads: int, kv_heads: int, target_layers: int,
+                  layer_ids: list[int], mask: int, vocab: int, sliding: bool) -> dict:
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden, "intermediate_size": mlp,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 131072, "vocab_size": vocab,
+        "block_size": 16, "num_target_layers": target_layers,
+        "layer_types": ["sliding_attention"] * (layers - 1) + ["full_attention"] if sliding else ["full_attention"] * layers,
+        "sliding_window": 2048 if sliding else None,
+        "dflash_config": {"mask_token_id": mask, "target_layer_ids": layer_ids},
+    }
+
+
+# name -> (model class, config class, target config, drafter config.json)
+SHAPES = {
+    "qwen3-8b": (Qwen3ForCausalLM, Qwen3Config, QWEN3_8B, QWEN3_8B_DFLASH_B16),
+    "gemma4-31b": (Gemma4ForCausalLM, Gemma4TextConfig, GEMMA4_31B,
+                   _zlab_drafter(5376, 10752, 5, 64, 8, 60, [1, 12, 23, 35, 46, 57], 4, 262144, True)),
+    "gemma4-26b-a4b": (Gemma4ForCausalLM, Gemma4TextConfig, GEMMA4_26B_A4B,
+                       _zlab_drafter(2816, 5632, 5, 32, 8, 30, [1, 6, 11, 17, 22, 27], 4, 262144, True)),
+    # z-lab's Qwen3-Coder-30B-A3B-DFlash layout: 8 full layers of 2048.
+    "qwen3-30b-a3b": (Qwen3MoeForCausalLM, Qwen3MoeConfig, QWEN3_30B_A3B,
+                      _zlab_drafter(2048, 6144, 8, 32, 4, 48, [1, 7, 14, 20, 26, 32, 39, 45], 151669, 151936, False)),
+}
+
+
+def build_models(shape: str, device: str) -> tuple[PreTrainedModel, DFlashDraftModel]:
+    model_cls, config_cls, target_cfg, drafter_cfg = SHAPES[shape]
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            hf = Qwen3ForCausalLM(Qwen3Config(**QWEN3_8B)).eval()
-            drafter = DFlashDraftModel(DFlashDraftConfig.from_dict(QWEN3_8B_DFLASH_B16)).eval()
+            hf = model_cls(config_cls(**target_cfg)).eval()
+            drafter = DFlashDraftModel(DFlashDraftConfig.from_dict(drafter_cfg)).eval()
             for p in drafter.parameters():
                 torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
     finally:
         torch.set_default_dtype(prev)
     return hf, drafter
+
+
+def decode_step_bytes(hf: PreTrainedModel) -> int:
+    """Bytes of the weights one batch-1 decode step reads (the module docstring's memory floor)."""
+    cfg = hf.config
+    total = 0
+    for name, p in hf.named_parameters():
+        size = p.numel() * p.element_size()
+        if "experts." in name:  # stacked [experts, ...]: top-k of them are read
+            size = size * (getattr(cfg, "top_k_experts", None) or cfg.num_experts_per_tok) // p.shape[0]
+        elif p is hf.get_input_embeddings().weight and not cfg.tie_word_embeddings:
+            size = p.shape[-1] * p.element_size()  # one row
+        total += size
+    return total
 
 
 def copy_bandwidth(device: str) -> float:
@@ -161,16 +229,61 @@ def profile_steps(engine, batch: int, prompt_len: int) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
 
 
+def run_batch(results: dict, args: argparse.Namespace, hf: PreTrainedModel, drafter: DFlashDraftModel,
+              impl: str, batch: int, taus: list[float], modes: list[str], profile: bool) -> None:
+    """The AR row and the DFlash rows (each mode, each SYNTHETIC τ) of one target impl and batch;
+    `profile`: a host profile of each engine's steps too."""
+    blocks = batch * (-(-(args.prompt_len + args.max_tokens + 32) // 16)) + 64
+    base = EngineConfig(target=f"random-{args.shape}", device="cuda", num_kv_blocks=blocks, max_num_seqs=batch,
+                        max_prefill_tokens=8192, target_impl=impl,
+                        async_scheduling=args.async_scheduling == "on", deterministic=args.deterministic)
+    ar = assemble_engine(base, TargetModel(hf), None)
+    run_case(ar, batch, args.prompt_len, 8)  # warm-up: first-use compilations and allocations
+    row = {"target_impl": impl, "mode": "AR", "batch": batch, "tau": 1.0, "synthetic": False,
+           **run_case(ar, batch, args.prompt_len, args.max_tokens, census=True)}
+    print(f"AR batch {batch} forward census: {json.dumps(row['verify_census'])}", flush=True)
+    if profile:
+        profile_steps(ar, batch, args.prompt_len)
+    results["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    del ar
+    torch.cuda.empty_cache()
+
+    for mode in modes:
+        target = TargetModel(hf, drafter.config.target_layer_ids)
+        spec = assemble_engine(base.model_copy(update={"speculation": mode}), target, drafter)
+        spec.synthetic = SyntheticAcceptance(taus[0])
+        run_case(spec, batch, args.prompt_len, 40)  # warm-up
+        for tau in taus:
+            spec.synthetic.tau = tau
+            row = {"target_impl": impl, "mode": f"DFlash {mode}", "batch": batch, "synthetic": True, "target_tau": tau,
+                   **run_case(spec, batch, args.prompt_len, args.max_tokens, census=tau == taus[0])}
+            if "verify_census" in row:
+                print(f"DFlash {mode} batch {batch} verify census: {json.dumps(row['verify_census'])}\n"
+                      f"DFlash {mode} batch {batch} draft census: {json.dumps(row['draft_census'])}", flush=True)
+            row["step_over_fwd"] = row["step_ms"] / (row["verify_fwd_ms"] + row["draft_fwd_ms"])
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        if profile:
+            profile_steps(spec, batch, args.prompt_len)
+        target.close()
+        del spec
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES),
+                        help="the target's and the drafter's shapes (random weights)")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--taus", default="1,4,6.5,10", help="SYNTHETIC acceptance lengths for the DFlash rows")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--profile", action="store_true", help="print a host profile of steps at the largest batch")
-    parser.add_argument("--target-impl", default="auto", choices=["auto", "fused", "transformers"],
-                        help="the target's forward (EngineConfig.target_impl)")
+    parser.add_argument("--target-impl", default="auto",
+                        help="the target's forward (EngineConfig.target_impl: auto, fused, transformers); "
+                             "comma-separated: each in turn, on the same models")
     parser.add_argument("--async-scheduling", default="on", choices=["on", "off"],
                         help="chain rounds on the device (EngineConfig.async_scheduling)")
     parser.add_argument("--speculation", default="fixed,adaptive",
@@ -186,54 +299,26 @@ def main(argv: list[str] | None = None) -> int:
     if not set(modes) <= set(SPECULATION_MODES):
         parser.error(f"--speculation: choose among {', '.join(SPECULATION_MODES)}")
 
-    hf, drafter = build_models(device)
+    impls = args.target_impl.split(",")
+    if not set(impls) <= {"auto", "fused", "transformers"}:
+        parser.error("--target-impl: choose among auto, fused, transformers")
+
+    hf, drafter = build_models(args.shape, device)
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    step_bytes = decode_step_bytes(hf)
     bandwidth = copy_bandwidth(device)
-    floor_ms = 1e3 * weight_bytes / bandwidth
-    print(f"device {torch.cuda.get_device_name()}; target {weight_bytes / 1e9:.2f} GB bf16; copy bandwidth "
-          f"{bandwidth / 1e12:.2f} TB/s -> memory floor {floor_ms:.2f} ms per target forward", flush=True)
+    floor_ms = 1e3 * step_bytes / bandwidth
+    print(f"device {torch.cuda.get_device_name()}; {args.shape} target {weight_bytes / 1e9:.2f} GB bf16, "
+          f"{step_bytes / 1e9:.2f} GB read per batch-1 decode step; copy bandwidth {bandwidth / 1e12:.2f} TB/s "
+          f"-> memory floor {floor_ms:.2f} ms per target forward", flush=True)
 
-    results = {"device": torch.cuda.get_device_name(), "target_impl": args.target_impl,
+    results = {"device": torch.cuda.get_device_name(), "shape": args.shape, "target_impl": impls,
                "async_scheduling": args.async_scheduling == "on", "deterministic": args.deterministic,
-               "weight_bytes": weight_bytes,
+               "weight_bytes": weight_bytes, "decode_step_bytes": step_bytes,
                "bandwidth": bandwidth, "floor_ms": floor_ms, "rows": []}
-    for batch in batches:
-        blocks = batch * (-(-(args.prompt_len + args.max_tokens + 32) // 16)) + 64
-        base = EngineConfig(target="random-qwen3-8b", device=device, num_kv_blocks=blocks, max_num_seqs=batch,
-                            max_prefill_tokens=8192, target_impl=args.target_impl,
-                            async_scheduling=args.async_scheduling == "on", deterministic=args.deterministic)
-        ar = assemble_engine(base, TargetModel(hf), None)
-        run_case(ar, batch, args.prompt_len, 8)  # warm-up: first-use compilations and allocations
-        row = {"mode": "AR", "batch": batch, "tau": 1.0, "synthetic": False,
-               **run_case(ar, batch, args.prompt_len, args.max_tokens, census=True)}
-        print(f"AR batch {batch} forward census: {json.dumps(row['verify_census'])}", flush=True)
-        if args.profile and batch == batches[-1]:
-            profile_steps(ar, batch, args.prompt_len)
-        results["rows"].append(row)
-        print(json.dumps(row), flush=True)
-        del ar
-        torch.cuda.empty_cache()
-
-        for mode in modes:
-            target = TargetModel(hf, drafter.config.target_layer_ids)
-            spec = assemble_engine(base.model_copy(update={"speculation": mode}), target, drafter)
-            spec.synthetic = SyntheticAcceptance(taus[0])
-            run_case(spec, batch, args.prompt_len, 40)  # warm-up
-            for tau in taus:
-                spec.synthetic.tau = tau
-                row = {"mode": f"DFlash {mode}", "batch": batch, "synthetic": True, "target_tau": tau,
-                       **run_case(spec, batch, args.prompt_len, args.max_tokens, census=tau == taus[0])}
-                if "verify_census" in row:
-                    print(f"DFlash {mode} batch {batch} verify census: {json.dumps(row['verify_census'])}\n"
-                          f"DFlash {mode} batch {batch} draft census: {json.dumps(row['draft_census'])}", flush=True)
-                row["step_over_fwd"] = row["step_ms"] / (row["verify_fwd_ms"] + row["draft_fwd_ms"])
-                results["rows"].append(row)
-                print(json.dumps(row), flush=True)
-            if args.profile and batch == batches[-1]:
-                profile_steps(spec, batch, args.prompt_len)
-            target.close()
-            del spec
-            torch.cuda.empty_cache()
+    for impl in impls:
+        for batch in batches:
+            run_batch(results, args, hf, drafter, impl, batch, taus, modes, args.profile and batch == batches[-1])
 
     print(markdown_table(results))
     for r in results["rows"]:
@@ -250,19 +335,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown_table(results: dict) -> str:
     lines = [
-        "| mode | batch | τ | mean k | tok/s | step ms | verify fwd ms | draft fwd ms | step / (verify+draft) "
+        "| target | mode | batch | τ | mean k | tok/s | step ms | verify fwd ms | draft fwd ms | step / (verify+draft) "
         "| per round: draft / verify / accept (device) / host ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
         p = r["phases_ms"]
         phases = f"{p['draft']:.2f} / {p['verify']:.2f} / {p['accept']:.2f} / {p['host']:.2f}"
         if r["mode"] == "AR":
-            lines.append(f"| AR | {r['batch']} | 1 | 0 | {r['tok_s']:.1f} | {r['step_ms']:.2f} | {r['verify_fwd_ms']:.2f} | - | "
+            lines.append(f"| {r['target_impl']} | AR | {r['batch']} | 1 | 0 | {r['tok_s']:.1f} | {r['step_ms']:.2f} | {r['verify_fwd_ms']:.2f} | - | "
                          f"{r['step_ms'] / r['verify_fwd_ms']:.2f} | {phases} |")
         else:
             lines.append(
-                f"| {r['mode']} (SYNTHETIC τ={r['target_tau']:g}) | {r['batch']} | {r['tau']:.2f} | {r['mean_k']:.1f} | "
+                f"| {r['target_impl']} | {r['mode']} (SYNTHETIC τ={r['target_tau']:g}) | {r['batch']} | {r['tau']:.2f} | {r['mean_k']:.1f} | "
                 f"{r['tok_s']:.1f} | "
                 f"{r['step_ms']:.2f} | {r['verify_fwd_ms']:.2f} | {r['draft_fwd_ms']:.2f} | {r['step_over_fwd']:.2f} | "
                 f"{phases} |"

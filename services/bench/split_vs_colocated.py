@@ -110,7 +110,7 @@ def _run(args: argparse.Namespace, modes: list[str]) -> int:
     from dflash_serve.services.verifier.remote_drafter import RemoteProposer
 
     batches = [int(b) for b in args.batches.split(",")]
-    hf, drafter = build_models("cuda")
+    hf, drafter = build_models("qwen3-8b", "cuda")
     layer_ids = drafter.config.target_layer_ids
     drafter_dir = tempfile.mkdtemp(prefix="dflash-bench-drafter-")
     save_drafter(drafter, drafter_dir)

@@ -143,7 +143,7 @@ QWEN3_8B_LIMITS = dict(target="random Qwen3-8B shape", max_model_len=512)
 
 @pytest.fixture(scope="module")
 def qwen3_8b_pair():
-    target, drafter = build_models("cuda")
+    target, drafter = build_models("qwen3-8b", "cuda")
     yield target, drafter
     del target, drafter
     gc.collect()
