@@ -88,10 +88,6 @@ def fused_unsupported_reason(target: TargetModel) -> str | None:
             return reason
     elif getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r} (the fused MLP is SiLU·mul)"
-    if target.device.type == "cuda" and _has_moe_blocks(target):
-        # Checked against transformers on the CPU only so far (CUDA graphs over the routing and
-        # grouped_mm are tests/gpu's next run): transformers' own code serves these meanwhile.
-        return "mixture-of-experts blocks on CUDA (the fused MoE path is not yet checked on a GPU)"
     rotary = _text_model(target).rotary_emb
     for layer, layer_type in zip(target.layers, layer_rope_kinds(target), strict=True):
         inv_freq, _, rope_type = _rope_parameters(rotary, layer_type if gemma else None)
@@ -102,7 +98,7 @@ def fused_unsupported_reason(target: TargetModel) -> str | None:
     return None
 
 
-def _has_moe_blocks(target: TargetModel) -> bool:
+def has_moe_blocks(target: TargetModel) -> bool:
     """Gemma-4's experts beside its dense MLP, or Qwen3-MoE's sparse layers."""
     return any(getattr(layer, "enable_moe_block", False) or hasattr(layer.mlp, "experts") for layer in target.layers)
 
@@ -114,7 +110,7 @@ def deterministic_unsupported_reason(target: TargetModel) -> str | None:
         # The per-layer inputs are computed by the model's own projection (a torch GEMM over all the
         # forward's rows) and norm, whose rounding may change with the number of rows.
         return "Gemma-4's per-layer inputs (hidden_size_per_layer_input > 0: E2B, E4B)"
-    if _has_moe_blocks(target):
+    if has_moe_blocks(target):
         # An expert's GEMM takes the rows routed to it, whose number depends on the whole batch.
         return "mixture-of-experts blocks (an expert's rows depend on the batch)"
     return None

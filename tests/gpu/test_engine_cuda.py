@@ -289,6 +289,38 @@ def test_fused_gemma4_forward_in_bf16_at_its_real_head_sizes_matches_transformer
     _fused_equals_transformers_in_bf16(model.to(torch.bfloat16).cuda().eval(), f"gemma4 {shape}")
 
 
+@pytest.mark.parametrize("family", ["gemma4-26b-a4b", "qwen3-moe"])
+def test_fused_moe_forward_in_bf16_matches_transformers(family):
+    """The MoE blocks' CUDA path (routing on the device, both expert GEMMs as grouped_mm) against
+    transformers' experts in bf16: Gemma-4's experts beside the dense MLP (heads 256/512, k_eq_v)
+    and Qwen3-MoE's sparse layers (a dense first layer), 16 experts routed top-4, random routers
+    and expert scales so that each token's experts are clearly apart."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=512, hidden_size=512, num_hidden_layers=4, num_attention_heads=4,
+                  max_position_embeddings=4096)
+    if family == "gemma4-26b-a4b":
+        model = Gemma4ForCausalLM(Gemma4TextConfig(
+            **common, intermediate_size=384, num_key_value_heads=2, head_dim=256, global_head_dim=512,
+            num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0, sliding_window=128,
+            final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention"] * 2,
+            enable_moe_block=True, num_experts=16, top_k_experts=4, moe_intermediate_size=256))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **common, intermediate_size=1024, num_key_value_heads=2, head_dim=128, num_experts=16,
+            num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True, mlp_only_layers=[0]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.5)
+            elif "router.scale" in name or "per_expert_scale" in name:
+                param.uniform_(0.5, 1.5)
+            elif "router.proj" in name or "mlp.gate.weight" in name:
+                param.normal_(0.0, 1.0)
+    _fused_equals_transformers_in_bf16(model.to(torch.bfloat16).cuda().eval(), family)
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["chained", "synced"])
 @pytest.mark.parametrize("graphs", [False, True])
 def test_cuda_prefix_cache_hits_with_graphs_and_chained_rounds_stay_lossless(graphs, async_scheduling):
