@@ -35,9 +35,12 @@ from transformers import (Gemma4ForCausalLM, Gemma4TextConfig, PreTrainedModel, 
 
 from dflash_serve.services.bench.timing import cuda_ms_per_call
 from dflash_serve.services.config import SPECULATION_MODES, EngineConfig
+from dflash_serve.services.engine.draft_runner import DraftRunner
+from dflash_serve.services.engine.kv_cache import KVPool, window_slots_for
 from dflash_serve.services.engine.loader import assemble_engine
 from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.engine.synthetic_acceptance import SyntheticAcceptance
+from dflash_serve.services.engine.target_runner import TargetRunner
 from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -128,6 +131,43 @@ def decode_step_bytes(hf: PreTrainedModel) -> int:
             size = p.shape[-1] * p.element_size()  # one row
         total += size
     return total
+
+
+def sequences_that_fit(layout: list, draft_cfg: DFlashDraftConfig, seq_len: int, budget: int, *, windowed: bool,
+                       block_size: int = 16, max_prefill_tokens: int = 2048, dtype: torch.dtype = torch.bfloat16) -> int:
+    """How many sequences of `seq_len` tokens the KV pools hold in `budget` bytes, sized as
+    `assemble_engine` sizes them: each sequence's blocks (its tokens and two rounds' lookahead) in
+    the target's and the drafter's pools, and `windowed`: the sliding-window layers' K/V in window
+    slots (`window_slots_for` of that many sequences) instead of in every block."""
+    lookahead = draft_cfg.block_size
+    d_layers, d_heads, d_dim = DraftRunner.kv_shape(draft_cfg)
+    draft_bytes = KVPool.bytes_per_block(d_layers, block_size, d_heads, d_dim, dtype)
+    per_sequence = -(-(seq_len + 2 * lookahead) // block_size)
+    window = KVPool.window_of(layout)
+    if not windowed or window is None:
+        return budget // ((KVPool.layout_bytes_per_block(layout, block_size, dtype) + draft_bytes) * per_sequence)
+    slot_bytes = KVPool.layout_bytes_per_block(layout, block_size, dtype, windowed=True)
+    block_bytes = KVPool.layout_bytes_per_block(layout, block_size, dtype, windowed=False) + draft_bytes
+
+    def needed(n: int) -> int:
+        return n * per_sequence * block_bytes + window_slots_for(window, block_size, n, lookahead,
+                                                                 max_prefill_tokens) * slot_bytes
+
+    n = 0
+    while needed(n + 1) <= budget:
+        n += 1
+    return n
+
+
+def kv_capacity(hf: PreTrainedModel, drafter: DFlashDraftModel, seq_len: int) -> dict:
+    """Sequences of `seq_len` tokens that fit on this GPU beside the models, with and without window
+    slots, in the share of free memory a server's KV pools take (`EngineConfig.kv_memory_fraction`)."""
+    free, _ = torch.cuda.mem_get_info()
+    budget = int(free * EngineConfig.model_fields["kv_memory_fraction"].default)
+    layout = TargetRunner.kv_layout(TargetModel(hf))
+    return {"seq_len": seq_len, "free_bytes": free, "kv_budget_bytes": budget,
+            "sequences_window_slots": sequences_that_fit(layout, drafter.config, seq_len, budget, windowed=True),
+            "sequences_every_block": sequences_that_fit(layout, drafter.config, seq_len, budget, windowed=False)}
 
 
 def copy_bandwidth(device: str) -> float:
@@ -289,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speculation", default="fixed,adaptive",
                         help="comma-separated EngineConfig.speculation modes of the DFlash rows (fixed: all B-1 "
                              "drafts verified every round; adaptive: the load-adaptive policy); AR rows always run")
+    parser.add_argument("--capacity-len", type=int, default=0,
+                        help="also report how many sequences of this many tokens the KV pools hold beside the models "
+                             "(with and without the sliding-window layers' window slots)")
     parser.add_argument("--deterministic", action="store_true",
                         help="batch-invariant target forwards in every row (EngineConfig.deterministic)")
     args = parser.parse_args(argv)
@@ -316,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
                "async_scheduling": args.async_scheduling == "on", "deterministic": args.deterministic,
                "weight_bytes": weight_bytes, "decode_step_bytes": step_bytes,
                "bandwidth": bandwidth, "floor_ms": floor_ms, "rows": []}
+    if args.capacity_len:
+        results["capacity"] = kv_capacity(hf, drafter, args.capacity_len)
+        print(f"KV capacity: {json.dumps(results['capacity'])}", flush=True)
     for impl in impls:
         for batch in batches:
             run_batch(results, args, hf, drafter, impl, batch, taus, modes, args.profile and batch == batches[-1])
