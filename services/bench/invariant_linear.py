@@ -1,0 +1,76 @@
+"""GPU micro-benchmark of `engine.deterministic`'s GEMM: `InvariantLinear` under a search of launch
+settings at the Qwen3-8B and SmolLM2-135M projections, against cuBLAS (F.linear) and `SkinnyLinear`.
+
+    python -m dflash_serve.services.bench.invariant_linear --out invariant_linear.json
+
+A setting may depend on the weight's shape, never on the row count M (that is what keeps a row's
+bits the same in any batch), so each candidate is timed at every M and checked invariant: row 0's
+bits at M = 1 equal row 0's at the largest M. Per shape, the chosen setting minimizes the sum over M
+of its time over cuBLAS's. Timing as `skinny_linear`'s (CUDA graphs over ~200 MB of weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+from dflash_serve.kernels.invariant_linear import InvariantLinear, InvariantSettings
+from dflash_serve.kernels.skinny_linear import SkinnyLinear
+from dflash_serve.services.bench.skinny_linear import SHAPES, STREAMED_BYTES, graph_time_us
+
+SEARCH = [InvariantSettings(block_m=64, block_n=n, block_k=k, group_m=8, num_warps=w, num_stages=s)
+          for n, k, w, s in itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4, 5))]
+
+
+def measure(n: int, k: int, rows: list[int]) -> dict:
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+               for _ in range(max(2, min(64, int(STREAMED_BYTES // (n * k * 2)))))]
+    xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in rows}
+    xs = {m: torch.cat([xs[rows[0]][:1], x[1:]]) for m, x in xs.items()}  # row 0 the same in every M
+    base = {m: graph_time_us([lambda w=w, x=x: F.linear(x, w) for w in weights]) for m, x in xs.items()}
+    skinny = {m: graph_time_us([lambda layer=SkinnyLinear(w), x=x: layer(x) for w in weights]) for m, x in xs.items()}
+    candidates = []
+    for settings in [InvariantSettings.for_shape(n, k), *SEARCH]:
+        layers = [InvariantLinear(w, None, settings) for w in weights]
+        first = {m: layers[0](x)[0] for m, x in xs.items()}
+        invariant = all(torch.equal(first[rows[0]], row) for row in first.values())
+        times = {m: graph_time_us([lambda layer=layer, x=x: layer(x) for layer in layers]) for m, x in xs.items()}
+        candidates.append({"settings": str(settings), "invariant": invariant, "us": times,
+                           "cost": sum(times[m] / base[m] for m in rows)})
+    rule, *searched = candidates
+    best = min((c for c in searched if c["invariant"]), key=lambda c: c["cost"])
+    return {"N": n, "K": k, "cublas_us": base, "skinny_us": skinny, "rule": rule, "best": best,
+            "not_invariant": [c["settings"] for c in candidates if not c["invariant"]]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,16,512", help="row counts M, the first the one every M's row 0 is")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+    results = []
+    for model, shapes in SHAPES.items():
+        for name, (n, k) in shapes.items():
+            results.append({"model": model, "gemm": name, **measure(n, k, rows)})
+            print(json.dumps(results[-1]), flush=True)
+            torch.cuda.empty_cache()
+    print(f"device {torch.cuda.get_device_name()}; µs per call at M = {rows} (CUDA graphs, weights from HBM)")
+    print("| model | GEMM | N × K | cuBLAS | SkinnyLinear | InvariantLinear now | best invariant setting | its µs |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        fmt = lambda times: " / ".join(f"{times[m]:.1f}" for m in rows)  # noqa: E731
+        print(f"| {r['model']} | {r['gemm']} | {r['N']} × {r['K']} | {fmt(r['cublas_us'])} | {fmt(r['skinny_us'])} | "
+              f"{fmt(r['rule']['us'])} | {r['best']['settings']} | {fmt(r['best']['us'])} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
