@@ -113,6 +113,12 @@ class EngineConfig(_Config):
                                 "prefill), so greedy output equals target-only decoding bit for bit in bf16 and fp16 "
                                 "too, and a seeded request's output does not depend on the batch. Needs the fused "
                                 "target forward; slower (not yet measured).")
+    tensor_parallel_size: int = Field(1, gt=0, description="Devices the target is sharded over, one process each "
+                                      "(Megatron-style: attention and KV heads, MLP rows and the vocabulary split, "
+                                      "one all-reduce after each attention and MLP; NCCL on GPUs, gloo on CPU); the "
+                                      "scheduler and the drafter run on the first. Needs the fused target forward and "
+                                      "head counts it divides; not with deterministic. GPUs: the ones after "
+                                      "engine.device's (cuda: 0 to N-1). 1: no sharding.")
     async_scheduling: bool = Field(True, description="Launch each round before the host has read the last one's "
                                    "results, so sampling, stop checks and streaming overlap the GPU's work (with "
                                    "CUDA graphs and an in-process drafter, or none). Off: one host sync between "
@@ -169,6 +175,19 @@ class EngineConfig(_Config):
         if self.deterministic and self.target_impl == "transformers":
             raise ValueError("deterministic=true needs the fused target forward (its kernels are the batch-invariant "
                              "ones): set target_impl to auto or fused")
+        return self
+
+    @model_validator(mode="after")
+    def _sharded_forward(self) -> EngineConfig:
+        if self.tensor_parallel_size > 1 and self.target_impl == "transformers":
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} shards the fused target forward: set "
+                             "target_impl to auto or fused (or tensor_parallel_size to 1)")
+        if self.tensor_parallel_size > 1 and self.deterministic:
+            # An all-reduce's summation order (ring or tree, chunking) depends on the message size,
+            # i.e. on the batch: a row's bits would depend on what runs beside it.
+            raise ValueError(f"deterministic=true with tensor_parallel_size={self.tensor_parallel_size}: the "
+                             "all-reduce's summation order depends on the batch size, so no row is batch-invariant; "
+                             "use one of the two")
         return self
 
     @field_validator("num_speculative_tokens_per_batch_size", mode="before")

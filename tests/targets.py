@@ -65,14 +65,14 @@ def _gemma4_twin(seed: int, layer_scalars: bool, **config):
 GEMMA4_LAYER_TYPES = ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]
 
 
-def gemma4_31b_twin(seed: int = 0, vocab_size: int = 96):
+def gemma4_31b_twin(seed: int = 0, vocab_size: int = 96, global_kv_heads: int = 1):
     """google/gemma-4-31B's structure at toy size: sliding layers of 2 KV heads of 8 (the real:
-    16 of 256), global layers of 1 KV head of 16 (the real: 4 of 512) whose values are their keys
-    (attention_k_eq_v), proportional RoPE on a quarter of the global head, layer scalars, the
-    final logit softcap (30)."""
+    16 of 256), global layers of `global_kv_heads` KV heads of 16 (the real: 4 of 512) whose values
+    are their keys (attention_k_eq_v), proportional RoPE on a quarter of the global head, layer
+    scalars, the final logit softcap (30)."""
     return _gemma4_twin(seed, True, num_hidden_layers=6, layer_types=GEMMA4_LAYER_TYPES, global_head_dim=16,
-                        num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0,
-                        vocab_size=vocab_size)
+                        num_global_key_value_heads=global_kv_heads, attention_k_eq_v=True,
+                        hidden_size_per_layer_input=0, vocab_size=vocab_size)
 
 
 def gemma4_e4b_twin(seed: int = 0):

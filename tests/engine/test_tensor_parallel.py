@@ -1,0 +1,165 @@
+"""Tensor parallelism (services/engine/tensor_parallel.py) on the CPU: two ranks over gloo, rank 1
+a real process of its own, against the same checkpoints at tensor_parallel_size 1, in float32 —
+logits and features equal to rounding (the row-parallel sums add in another order), greedy
+outputs equal; what cannot be sharded refused at load; a rank killed mid-request ends the
+engine loop with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import threading
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+
+from dflash_serve.services.config import EngineConfig, ServeConfig
+from dflash_serve.services.engine.kv_cache import AttentionBatch
+from dflash_serve.services.engine.loader import build_engine
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.stopping import FinishReason
+from dflash_serve.services.models import save_drafter
+from dflash_serve.services.verifier.engine_process import EngineLoop, Pipe
+from dflash_serve.services.verifier.output_stream import OutputListener
+from tests.conftest import drafter_config, gemma4_drafter, random_drafter
+from tests.targets import gemma4_31b_twin, gemma4_e4b_twin, qwen3_moe_twin, tiny_target
+
+V = 97  # odd: the vocabulary splits 49 + 48, the second slice padded
+B = 4  # the drafter's block
+KV = 4  # tokens per KV block
+
+
+@pytest.fixture(autouse=True)
+def target_impl():
+    """Only the fused forward is sharded: tests/engine/conftest.py's run over transformers' code does not apply."""
+    return "fused"
+
+
+@pytest.fixture(autouse=True)
+def chain_rounds():
+    """The engines here are built by the loader, as served (on a CPU: one host sync per round)."""
+    return False
+
+
+def _save_pair(family: str, root) -> tuple[str, str]:
+    """A twin of `family` and a random drafter reading its features; their folders."""
+    target, drafter = root / f"{family}-target", root / f"{family}-drafter"
+    if family == "gemma4":  # the 31B's two KV geometries, its global layers with 2 KV heads (the real: 4)
+        gemma4_31b_twin(seed=3, vocab_size=V, global_kv_heads=2).save_pretrained(target)
+        save_drafter(gemma4_drafter(block_size=B, seed=4, vocab_size=V), drafter)
+    else:
+        tiny_target(family, layers=4, vocab=V, seed=21).float().save_pretrained(target)
+        cfg = drafter_config(vocab_size=V, num_target_layers=4, num_hidden_layers=2, block_size=B,
+                             layer_types=["full_attention"] * 2,
+                             dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
+        save_drafter(random_drafter(cfg, seed=4, dtype=torch.float32), drafter)
+    return str(target), str(drafter)
+
+
+def _engine_config(target: str, drafter: str, tensor_parallel_size: int, max_model_len: int = 128) -> EngineConfig:
+    return EngineConfig(target=target, drafter=drafter, dtype="float32", kv_block_size=KV,
+                        num_kv_blocks=max_model_len // 2, max_num_seqs=2, max_prefill_tokens=16,
+                        max_model_len=max_model_len, speculation="fixed", round_costs_dir="",
+                        tensor_parallel_size=tensor_parallel_size)
+
+
+@pytest.fixture(params=["llama", "qwen3", "gemma4"])
+def engines(request, tmp_path):
+    """(tensor_parallel_size 1, tensor_parallel_size 2) engines of one family's pair. One test
+    each: a process holds one tensor-parallel engine at a time (its group is torch.distributed's)."""
+    target, drafter = _save_pair(request.param, tmp_path)
+    one = build_engine(_engine_config(target, drafter, 1))
+    two = build_engine(_engine_config(target, drafter, 2))
+    yield request.param, one, two
+    two.runner.tp.close()
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(5, V - 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _forward(engine, tables: list[list[int]], starts: list[int], tokens: list[list[int]]):
+    ids = torch.tensor([t for seq in tokens for t in seq])
+    positions = torch.tensor([start + i for start, seq in zip(starts, tokens, strict=True) for i in range(len(seq))])
+    batch = AttentionBatch.build(tables, starts, [len(seq) for seq in tokens], KV, "cpu")
+    return engine.runner.forward(ids, positions, batch, torch.arange(ids.numel()))
+
+
+def test_two_ranks_compute_what_one_does(engines):
+    """A prefill of two prompts, then a step reading their K/V: every row's logits and features;
+    then speculative decoding, the drafter on rank 0 reading its features: the same greedy tokens."""
+    family, one, two = engines
+    heads = [spec.num_kv_heads for spec in one.runner.pool.layout]
+    assert [spec.num_kv_heads for spec in two.runner.pool.layout] == [h // 2 for h in heads]  # each rank's half
+    if family == "gemma4":  # its sliding layers' K/V in window slots: the map goes to rank 1 with each step
+        assert two.runner.pool.window_map is not None
+        two.runner.pool.window_map.copy_(one.runner.pool.window_map)
+    tables, prompts = [[0, 1, 2, 3], [4, 5, 6, 7]], [_tokens(11, 1), _tokens(6, 2)]
+    for starts, tokens in (([0, 0], prompts), ([11, 6], [[7], [9]])):
+        (logits_1, features_1), (logits_2, features_2) = (_forward(e, tables, starts, tokens) for e in (one, two))
+        assert logits_2.shape == logits_1.shape == (sum(map(len, tokens)), V)
+        torch.testing.assert_close(logits_2, logits_1, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(features_2, features_1, rtol=1e-5, atol=1e-5)
+    prompts = [_tokens(9, 3), _tokens(14, 4), _tokens(5, 5)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [seq.output_ids for seq in one.generate(prompts, params)]
+    assert [seq.output_ids for seq in two.generate(prompts, params)] == expected
+    assert two.proposer is not None and two.timings.rounds > 0
+
+
+@pytest.mark.parametrize("twin, field", [
+    (lambda: gemma4_31b_twin(seed=3, vocab_size=V), "num_global_key_value_heads=1"),
+    (lambda: gemma4_e4b_twin(seed=3), "hidden_size_per_layer_input"),
+    (qwen3_moe_twin, "mixture-of-experts"),
+], ids=["gemma4-31b-one-global-kv-head", "gemma4-e4b-per-layer-inputs", "qwen3-moe"])
+def test_what_cannot_be_sharded_is_refused_at_load_naming_it(twin, field, tmp_path):
+    twin().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size=2: .* cannot be sharded: {field}"):
+        build_engine(EngineConfig(target=str(tmp_path), dtype="float32", num_kv_blocks=16, tensor_parallel_size=2))
+
+
+def test_a_rank_killed_mid_request_ends_the_engine_loop_with_the_reason(tmp_path):
+    """The engine process's loop (here in a thread), rank 1 killed while a request decodes: the
+    request ends with an error naming the rank, and the replica hears the loop stopped (its health
+    check fails from then on: Serve replaces it)."""
+    target, drafter = _save_pair("llama", tmp_path)
+    # Room for a request that is still decoding when the kill lands (~1,000 rounds).
+    engine_config = _engine_config(target, drafter, 2, max_model_len=4096)
+    config = ServeConfig.from_dict({"engine": engine_config.to_dict(), "topology": "colocated"})
+    engine = build_engine(config.engine)
+    follower = engine.runner.tp.followers[0].process
+    ours, theirs = socket.socketpair()
+    replica = Connection(ours.detach())
+    loop = EngineLoop(engine, Pipe(Connection(theirs.detach())), config, record_metrics=False)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+
+    async def killed_mid_request():
+        listener = OutputListener()
+        queue = listener.open("r")
+        params = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
+        replica.send([("add", "r", _tokens(8, 6), params, await listener.reply_to())])
+        assert not (await asyncio.wait_for(queue.get(), 30)).finished  # it decodes
+        os.kill(follower.pid, signal.SIGKILL)
+        while not (last := await asyncio.wait_for(queue.get(), 30)).finished:
+            pass
+        await listener.aclose()
+        return last
+
+    try:
+        last = asyncio.run(killed_mid_request())
+        assert last.finish_reason is FinishReason.ERROR
+        assert last.error.startswith(f"the engine loop stopped: TensorParallelError: tensor-parallel rank 1 "
+                                     f"(pid {follower.pid}) exited with signal SIGKILL"), last.error
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        replies = []
+        while "loop_error" not in replies and replica.poll(5):
+            replies += [message[0] for message in replica.recv() if message[0] != "log"]
+        assert replies == ["ended", "loop_error"], replies
+    finally:
+        engine.runner.tp.close()
+        replica.close()
