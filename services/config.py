@@ -257,7 +257,9 @@ class ServeConfig(_Config):
                                          "'The serving path'). The first and the last message go at once. 0: no "
                                          "wait (one message per engine step and request).")
     verifier_num_gpus: float = Field(1.0, ge=0, description="GPUs per verifier replica when engine.device is cuda "
-                                     "(none on CPU). With drafter_placement shared its drafter runs on the same GPU.")
+                                     "(none on CPU). With drafter_placement shared its drafter runs on the same GPU. "
+                                     "With engine.tensor_parallel_size N > 1: per rank, and 1 (a whole GPU each): "
+                                     "the replica takes N GPUs of one node, its ranks processes on them.")
     drafter_placement: DrafterPlacement = Field("shared", description="Where a split verifier's drafter computes. "
                                                 "shared: on the verifier's GPU. own_gpu: on a GPU of its own, one "
                                                 "more per replica; it maps the verifier's buffers by CUDA IPC and "
@@ -270,6 +272,11 @@ class ServeConfig(_Config):
     def _consistent(self) -> ServeConfig:
         if self.engine.device.startswith("cuda") and self.verifier_num_gpus <= 0:
             raise ValueError(f"engine.device={self.engine.device} needs verifier_num_gpus > 0")
+        world = self.engine.tensor_parallel_size
+        if world > 1 and self.engine.device.startswith("cuda") and self.verifier_num_gpus != 1:
+            raise ValueError(f"engine.tensor_parallel_size={world} runs each rank on a whole GPU of its own: set "
+                             f"verifier_num_gpus to 1 (GPUs per rank; the replica takes {world}), not "
+                             f"{self.verifier_num_gpus}")
         if self.topology == "split" and not self.engine.drafter:
             raise ValueError("topology=split needs engine.drafter (or use topology=colocated for target-only)")
         if self.drafter_placement == "own_gpu":
@@ -289,7 +296,10 @@ class ServeConfig(_Config):
 
     @property
     def gpus_per_verifier(self) -> float:
-        return self.verifier_num_gpus if self.engine.device.startswith("cuda") else 0.0
+        """GPUs Ray gives a verifier replica: one per tensor-parallel rank (all in the replica's
+        own bundle: one node, and the ranks, its processes, see them all)."""
+        return self.verifier_num_gpus * self.engine.tensor_parallel_size if self.engine.device.startswith("cuda") \
+            else 0.0
 
     @property
     def gpus_per_drafter(self) -> float:

@@ -33,6 +33,7 @@ import datetime
 import json
 import logging
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -368,7 +369,9 @@ def launch(config: EngineConfig, target: TargetModel) -> TensorParallel:
         for rank in range(1, world):
             spec = {"config": config.to_dict(), "rank": rank, "world": world, "port": store.port,
                     "device": rank_device(config.device, rank)}
-            process = subprocess.Popen([sys.executable, "-m", __name__, json.dumps(spec)])
+            # It finds dflash_serve where this process does (a Ray runtime_env may put it on sys.path only).
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+            process = subprocess.Popen([sys.executable, "-m", __name__, json.dumps(spec)], env=env)
             followers.append(_Follower(rank, process))
         _wait_joined(store, followers)
         dist.init_process_group(_backend(device), store=store, rank=0, world_size=world, timeout=COLLECTIVE_TIMEOUT)
