@@ -13,6 +13,7 @@ import socket
 import threading
 from multiprocessing.connection import Connection
 
+import psutil
 import pytest
 import torch
 
@@ -24,7 +25,9 @@ from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.models import save_drafter
 from dflash_serve.services.verifier.engine_process import EngineLoop, Pipe
 from dflash_serve.services.verifier.output_stream import OutputListener
+from dflash_serve.services.verifier.verifier import Verifier
 from tests.conftest import drafter_config, gemma4_drafter, random_drafter
+from tests.served_pair import run_request
 from tests.targets import gemma4_31b_twin, gemma4_e4b_twin, qwen3_moe_twin, tiny_target
 
 V = 97  # odd: the vocabulary splits 49 + 48, the second slice padded
@@ -119,6 +122,22 @@ def test_what_cannot_be_sharded_is_refused_at_load_naming_it(twin, field, tmp_pa
     twin().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=f"tensor_parallel_size=2: .* cannot be sharded: {field}"):
         build_engine(EngineConfig(target=str(tmp_path), dtype="float32", num_kv_blocks=16, tensor_parallel_size=2))
+
+
+def test_a_verifier_replicas_engine_process_runs_the_ranks_and_takes_them_down_with_it(tmp_path):
+    """As served: the replica's engine process starts rank 1 (its child), a request decodes as one
+    rank decodes it, and the rank ends with the replica."""
+    target, drafter = _save_pair("qwen3", tmp_path)
+    prompt, params = _tokens(10, 7), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    (expected,) = build_engine(_engine_config(target, drafter, 1)).generate([prompt], params)
+    verifier = Verifier({"engine": _engine_config(target, drafter, 2).to_dict(), "topology": "colocated"})
+    try:
+        (rank_1,) = psutil.Process(verifier._process.popen.pid).children()
+        outputs = asyncio.run(run_request(verifier, prompt, params))
+        assert [t for out in outputs for t in out.new_token_ids] == expected.output_ids
+    finally:
+        verifier.shutdown()
+    rank_1.wait(timeout=30)
 
 
 def test_a_rank_killed_mid_request_ends_the_engine_loop_with_the_reason(tmp_path):
