@@ -447,4 +447,7 @@ def follower_main(spec: dict) -> None:
 
 
 if __name__ == "__main__":
-    follower_main(json.loads(sys.argv[1]))
+    # The package's copy of this module, which the loader imports too (not a second one as __main__).
+    from dflash_serve.services.engine import tensor_parallel
+
+    tensor_parallel.follower_main(json.loads(sys.argv[1]))

@@ -1,29 +1,25 @@
 """Tensor parallelism (services/engine/tensor_parallel.py) on the CPU: two ranks over gloo, rank 1
 a real process of its own, against the same checkpoints at tensor_parallel_size 1, in float32 —
 logits and features equal to rounding (the row-parallel sums add in another order), greedy
-outputs equal; what cannot be sharded refused at load; a rank killed mid-request ends the
-engine loop with the reason."""
+outputs equal; what cannot be sharded refused at load; a rank killed mid-request fails the
+replica with the reason."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import threading
-from multiprocessing.connection import Connection
+import re
+import time
 
 import psutil
 import pytest
 import torch
 
-from dflash_serve.services.config import EngineConfig, ServeConfig
+from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.kv_cache import AttentionBatch
 from dflash_serve.services.engine.loader import build_engine
 from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.models import save_drafter
-from dflash_serve.services.verifier.engine_process import EngineLoop, Pipe
 from dflash_serve.services.verifier.output_stream import OutputListener
 from dflash_serve.services.verifier.verifier import Verifier
 from tests.conftest import drafter_config, gemma4_drafter, random_drafter
@@ -124,61 +120,42 @@ def test_what_cannot_be_sharded_is_refused_at_load_naming_it(twin, field, tmp_pa
         build_engine(EngineConfig(target=str(tmp_path), dtype="float32", num_kv_blocks=16, tensor_parallel_size=2))
 
 
-def test_a_verifier_replicas_engine_process_runs_the_ranks_and_takes_them_down_with_it(tmp_path):
-    """As served: the replica's engine process starts rank 1 (its child), a request decodes as one
-    rank decodes it, and the rank ends with the replica."""
+def test_a_verifier_replica_runs_its_ranks_and_fails_with_the_reason_when_one_is_killed(tmp_path):
+    """As served (without Ray): the replica's engine process starts rank 1, its child; a request
+    decodes as one rank decodes it; rank 1 killed while a request decodes ends that request with
+    an error naming it, and the replica's health check fails from then on (Serve replaces it)."""
     target, drafter = _save_pair("qwen3", tmp_path)
+    # Room for a request that still decodes when the kill lands (~1,000 rounds).
+    config = _engine_config(target, drafter, 2, max_model_len=4096)
     prompt, params = _tokens(10, 7), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     (expected,) = build_engine(_engine_config(target, drafter, 1)).generate([prompt], params)
-    verifier = Verifier({"engine": _engine_config(target, drafter, 2).to_dict(), "topology": "colocated"})
+    verifier = Verifier({"engine": config.to_dict(), "topology": "colocated"})
     try:
         (rank_1,) = psutil.Process(verifier._process.popen.pid).children()
         outputs = asyncio.run(run_request(verifier, prompt, params))
         assert [t for out in outputs for t in out.new_token_ids] == expected.output_ids
+
+        async def killed_mid_request():
+            listener = OutputListener()
+            queue = listener.open("long")
+            long = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
+            call = asyncio.ensure_future(verifier.generate(prompt, long, "long", await listener.reply_to()))
+            assert not (await asyncio.wait_for(queue.get(), 30)).finished  # it decodes
+            rank_1.kill()
+            while not (last := await asyncio.wait_for(queue.get(), 30)).finished:
+                pass
+            await asyncio.wait_for(call, 30)
+            await listener.aclose()
+            return last
+
+        last = asyncio.run(killed_mid_request())
+        reason = f"TensorParallelError: tensor-parallel rank 1 (pid {rank_1.pid}) exited with signal SIGKILL"
+        assert last.finish_reason is FinishReason.ERROR
+        assert last.error.startswith(f"the engine loop stopped: {reason}"), last.error
+        deadline = time.monotonic() + 30
+        while not verifier._loop_error and time.monotonic() < deadline:  # the engine process's last message
+            time.sleep(0.05)
+        with pytest.raises(RuntimeError, match=re.escape(f"the engine loop stopped: {reason}")):
+            verifier.check_health()
     finally:
         verifier.shutdown()
-    rank_1.wait(timeout=30)
-
-
-def test_a_rank_killed_mid_request_ends_the_engine_loop_with_the_reason(tmp_path):
-    """The engine process's loop (here in a thread), rank 1 killed while a request decodes: the
-    request ends with an error naming the rank, and the replica hears the loop stopped (its health
-    check fails from then on: Serve replaces it)."""
-    target, drafter = _save_pair("llama", tmp_path)
-    # Room for a request that is still decoding when the kill lands (~1,000 rounds).
-    engine_config = _engine_config(target, drafter, 2, max_model_len=4096)
-    config = ServeConfig.from_dict({"engine": engine_config.to_dict(), "topology": "colocated"})
-    engine = build_engine(config.engine)
-    follower = engine.runner.tp.followers[0].process
-    ours, theirs = socket.socketpair()
-    replica = Connection(ours.detach())
-    loop = EngineLoop(engine, Pipe(Connection(theirs.detach())), config, record_metrics=False)
-    thread = threading.Thread(target=loop.run, daemon=True)
-    thread.start()
-
-    async def killed_mid_request():
-        listener = OutputListener()
-        queue = listener.open("r")
-        params = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
-        replica.send([("add", "r", _tokens(8, 6), params, await listener.reply_to())])
-        assert not (await asyncio.wait_for(queue.get(), 30)).finished  # it decodes
-        os.kill(follower.pid, signal.SIGKILL)
-        while not (last := await asyncio.wait_for(queue.get(), 30)).finished:
-            pass
-        await listener.aclose()
-        return last
-
-    try:
-        last = asyncio.run(killed_mid_request())
-        assert last.finish_reason is FinishReason.ERROR
-        assert last.error.startswith(f"the engine loop stopped: TensorParallelError: tensor-parallel rank 1 "
-                                     f"(pid {follower.pid}) exited with signal SIGKILL"), last.error
-        thread.join(timeout=30)
-        assert not thread.is_alive()
-        replies = []
-        while "loop_error" not in replies and replica.poll(5):
-            replies += [message[0] for message in replica.recv() if message[0] != "log"]
-        assert replies == ["ended", "loop_error"], replies
-    finally:
-        engine.runner.tp.close()
-        replica.close()
