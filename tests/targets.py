@@ -22,12 +22,18 @@ FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "gemma4")
 
 
 def tiny_target(family: str, *, layers: int = 8, hidden: int = 32, vocab: int = 96, seed: int = 0,
-                softcap: float | None = None):
+                softcap: float | None = None, biases: bool = False):
+    """`biases` (llama): every projection has a bias (attention_bias, mlp_bias), random (transformers
+    initializes them to zero, which would hide one added twice or not at all)."""
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
+        model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=biases, mlp_bias=biases))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, 0.5)
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif family == "qwen3":

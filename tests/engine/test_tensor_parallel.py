@@ -18,6 +18,7 @@ from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.kv_cache import AttentionBatch
 from dflash_serve.services.engine.loader import build_engine
 from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.tensor_parallel import rank_device
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.models import save_drafter
 from dflash_serve.services.verifier.output_stream import OutputListener
@@ -49,8 +50,8 @@ def _save_pair(family: str, root) -> tuple[str, str]:
     if family == "gemma4":  # the 31B's two KV geometries, its global layers with 2 KV heads (the real: 4)
         gemma4_31b_twin(seed=3, vocab_size=V, global_kv_heads=2).save_pretrained(target)
         save_drafter(gemma4_drafter(block_size=B, seed=4, vocab_size=V), drafter)
-    else:
-        tiny_target(family, layers=4, vocab=V, seed=21).float().save_pretrained(target)
+    else:  # Llama's with a bias on every projection: split with the column-parallel ones, added once after the others
+        tiny_target(family, layers=4, vocab=V, seed=21, biases=family == "llama").float().save_pretrained(target)
         cfg = drafter_config(vocab_size=V, num_target_layers=4, num_hidden_layers=2, block_size=B,
                              layer_types=["full_attention"] * 2,
                              dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 2]})
@@ -107,6 +108,10 @@ def test_two_ranks_compute_what_one_does(engines):
     expected = [seq.output_ids for seq in one.generate(prompts, params)]
     assert [seq.output_ids for seq in two.generate(prompts, params)] == expected
     assert two.proposer is not None and two.timings.rounds > 0
+
+
+def test_rank_r_takes_the_r_th_gpu_after_the_engines():
+    assert [rank_device(device, 1) for device in ("cuda", "cuda:2", "cpu")] == ["cuda:1", "cuda:3", "cpu"]
 
 
 @pytest.mark.parametrize("twin, field", [
