@@ -111,12 +111,12 @@ def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions
     `deterministic` needs the fused one (EngineConfig refuses it with target_impl=transformers), and so
     does `tp` (`tensor_parallel.launch` refused a target without one)."""
     name = type(target.model).__name__
-    if tp is not None:
-        log.info("target forward: fused layers for %s, rank 0 of %d tensor-parallel ranks", name, tp.world)
-        return FusedTargetRunner(target, pool, max_positions=max_positions, tp=tp)
     reason = unservable_reason(target)
     if reason is not None:
         raise ValueError(f"{name} cannot be served: {reason}")
+    if tp is not None:
+        log.info("target forward: fused layers for %s, rank 0 of %d tensor-parallel ranks", name, tp.world)
+        return FusedTargetRunner(target, pool, max_positions=max_positions, tp=tp)
     if impl == "transformers":
         log.info("target forward: transformers layer code for %s (target_impl=transformers)", name)
         return TargetRunner(target, pool, max_positions=max_positions)

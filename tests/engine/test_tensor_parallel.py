@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.kv_cache import AttentionBatch
@@ -114,14 +115,21 @@ def test_rank_r_takes_the_r_th_gpu_after_the_engines():
     assert [rank_device(device, 1) for device in ("cuda", "cuda:2", "cpu")] == ["cuda:1", "cuda:3", "cpu"]
 
 
-@pytest.mark.parametrize("twin, field", [
-    (lambda: gemma4_31b_twin(seed=3, vocab_size=V), "num_global_key_value_heads=1"),
-    (lambda: gemma4_e4b_twin(seed=3), "hidden_size_per_layer_input"),
-    (qwen3_moe_twin, "mixture-of-experts"),
-], ids=["gemma4-31b-one-global-kv-head", "gemma4-e4b-per-layer-inputs", "qwen3-moe"])
-def test_what_cannot_be_sharded_is_refused_at_load_naming_it(twin, field, tmp_path):
+def _gelu_llama():
+    return LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, hidden_act="gelu"))
+
+
+@pytest.mark.parametrize("twin, says", [
+    (lambda: gemma4_31b_twin(seed=3, vocab_size=V), "cannot be sharded: num_global_key_value_heads=1 "
+                                                     r"\(KV heads of layer 2\) is not divisible by tensor_parallel_size=2"),
+    (lambda: gemma4_e4b_twin(seed=3), "cannot be sharded: hidden_size_per_layer_input"),
+    (qwen3_moe_twin, "cannot be sharded: mixture-of-experts"),
+    (_gelu_llama, "needs the fused target forward, which LlamaForCausalLM has not"),
+], ids=["gemma4-31b-one-global-kv-head", "gemma4-e4b-per-layer-inputs", "qwen3-moe", "no-fused-forward"])
+def test_what_cannot_be_sharded_is_refused_at_load_naming_it(twin, says, tmp_path):
     twin().save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=f"tensor_parallel_size=2: .* cannot be sharded: {field}"):
+    with pytest.raises(ValueError, match=f"tensor_parallel_size=2.*{says}"):
         build_engine(EngineConfig(target=str(tmp_path), dtype="float32", num_kv_blocks=16, tensor_parallel_size=2))
 
 
