@@ -121,8 +121,9 @@ def _gelu_llama():
 
 
 @pytest.mark.parametrize("twin, says", [
-    (lambda: gemma4_31b_twin(seed=3, vocab_size=V), "cannot be sharded: num_global_key_value_heads=1 "
-                                                     r"\(KV heads of layer 2\) is not divisible by tensor_parallel_size=2"),
+    (lambda: gemma4_31b_twin(seed=3, vocab_size=V),
+     r"cannot be sharded: num_global_key_value_heads=1 \(KV heads of layer 2\) is not divisible by "
+     "tensor_parallel_size=2"),
     (lambda: gemma4_e4b_twin(seed=3), "cannot be sharded: hidden_size_per_layer_input"),
     (qwen3_moe_twin, "cannot be sharded: mixture-of-experts"),
     (_gelu_llama, "needs the fused target forward, which LlamaForCausalLM has not"),
