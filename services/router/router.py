@@ -226,7 +226,8 @@ class Router:
     async def _call(self, prompt_ids: list[int], params: SamplingParams, request_id: str
                     ) -> AsyncIterator[RequestOutput]:
         """One verifier call's outputs; raises RequestFailed. A stopped engine loop's end of the
-        request, when it is all the request produced, is not passed on: the request may go again."""
+        request is passed on only with tokens that came with it: the status says why it ended, and
+        a request that produced nothing may go again."""
         queue = self.verifier_outputs.open(request_id)
         try:
             reply_to = await self.verifier_outputs.reply_to()
@@ -236,7 +237,7 @@ class Router:
             last: RequestOutput | None = None
             try:
                 async for last in self._merged_outputs(request_id, queue):
-                    if not (last.finished and last.num_output_tokens == 0 and _loop_stopped(last)):
+                    if not _loop_stopped(last) or last.new_token_ids:
                         yield last
             finally:
                 if last is None or not last.finished:

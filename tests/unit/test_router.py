@@ -496,7 +496,7 @@ def test_a_request_whose_replica_failed_before_it_produced_a_token_goes_to_anoth
 def test_a_request_whose_engine_loop_stopped_after_it_produced_tokens_is_unavailable_with_the_reason(tokenizer):
     async def tokens_then_loop_stopped(prompt_ids, params, request_id):
         yield output(request_id, prompt_ids, [10, 11], "ab", 2)
-        yield output(request_id, prompt_ids, [], "", 2, FinishReason.ERROR,
+        yield output(request_id, [], [], "", 0, FinishReason.ERROR,  # as EngineLoop.run sends it: no counts
                      error="the engine loop stopped: TensorParallelError: tensor-parallel rank 1 (pid 7) exited")
 
     verifier = FakeVerifier(tokens_then_loop_stopped)
