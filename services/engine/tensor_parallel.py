@@ -16,10 +16,13 @@ rank 0's runner first broadcasts its inputs (token ids, positions, the attention
 of the logits, the window-slot map where the pool has window slots), and every rank runs the same
 forward on its shard. No Python loop over ranks runs on the hot path.
 
-A rank lost (killed, crashed) fails the group: a collective with it raises on its peers (gloo sees
-the socket close; rank 0 also watches its followers' processes and aborts the group, which NCCL
-needs), and rank 0 raises `TensorParallelError`, which ends the engine loop: the replica fails its
-health check and is restarted, and its requests end with the error.
+A rank lost (killed, crashed) fails the group. Over gloo a collective with it raises on its peers
+(they see the socket close), and rank 0 raises `TensorParallelError`, which ends the engine loop:
+the replica fails its health check and is restarted, and its requests end with the error. NCCL
+raises nothing: its collectives run on the GPU, where one with a dead peer never completes (or,
+aborted, leaves results that look like any others), so rank 0, which watches its followers'
+processes, exits as soon as one does (as NCCL's own watchdog would, later): the replica sees its
+engine process gone, its calls end retryably and it fails its health check.
 
 Not yet: CUDA graphs over the collectives (with tensor_parallel_size > 1 the forwards run eagerly);
 each rank loads the whole checkpoint onto its device before it keeps its shard.
@@ -62,6 +65,7 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
 JOIN_TIMEOUT_S = 600.0  # a follower process starts (imports torch) and joins within this
 LOST_WAIT_S = 2.0  # after a failed collective, how long rank 0 waits to see which follower exited
 STOP_WAIT_S = 30.0
+RANK_LOST_EXIT = 70  # rank 0's exit status when an NCCL group loses a rank (EX_SOFTWARE)
 STOP, STEP = 0, 1
 HEADER = 7  # op, tokens, sequences, block-table width, logits rows, max query length, window-map length
 
@@ -319,9 +323,12 @@ class TensorParallel:
         follower.process.wait()
         if self._closing:
             return
-        log.error("%s", follower.describe_exit())
-        if dist.get_backend() == "nccl":  # NCCL waits for a dead peer forever: abort the pending collective
-            dist.distributed_c10d._abort_process_group()
+        if dist.get_backend() != "nccl":  # gloo's next collective raises: `_guard` says why
+            log.error("%s", follower.describe_exit())
+            return
+        log.critical("%s: NCCL cannot fail the collectives in flight with it, so no result of this process can be "
+                     "trusted any more: it exits", follower.describe_exit())
+        os._exit(RANK_LOST_EXIT)
 
     def close(self) -> None:
         """Rank 0: stop the followers and leave the group (also when it failed)."""
