@@ -83,10 +83,13 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 
 def _forward(engine, tables: list[list[int]], starts: list[int], tokens: list[list[int]]):
-    ids = torch.tensor([t for seq in tokens for t in seq])
-    positions = torch.tensor([start + i for start, seq in zip(starts, tokens, strict=True) for i in range(len(seq))])
-    batch = AttentionBatch.build(tables, starts, [len(seq) for seq in tokens], KV, "cpu")
-    return engine.runner.forward(ids, positions, batch, torch.arange(ids.numel()))
+    """The target's forward over `tokens` of sequences at `starts` in blocks `tables`: (logits, features) of every row."""
+    device = engine.device
+    ids = torch.tensor([t for seq in tokens for t in seq], device=device)
+    positions = torch.tensor([start + i for start, seq in zip(starts, tokens, strict=True) for i in range(len(seq))],
+                             device=device)
+    batch = AttentionBatch.build(tables, starts, [len(seq) for seq in tokens], KV, device)
+    return engine.runner.forward(ids, positions, batch, torch.arange(ids.numel(), device=device))
 
 
 def test_two_ranks_compute_what_one_does(engines):
