@@ -83,7 +83,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 
 def _forward(engine, tables: list[list[int]], starts: list[int], tokens: list[list[int]]):
-    """The target's forward over `tokens` of sequences at `starts` in blocks `tables`: (logits, features) of every row."""
+    """The target's forward over `tokens` of sequences at `starts` in `tables`: every row's (logits, features)."""
     device = engine.device
     ids = torch.tensor([t for seq in tokens for t in seq], device=device)
     positions = torch.tensor([start + i for start, seq in zip(starts, tokens, strict=True) for i in range(len(seq))],
