@@ -37,12 +37,13 @@ def test_two_gpus_compute_what_one_does(family, tmp_path):
     try:
         assert two.graphs is None and one.graphs is not None
         tables, prompts = [[0, 1, 2, 3], [4, 5, 6, 7]], [_tokens(11, 1), _tokens(6, 2)]
-        if two.runner.pool.window_map is not None:
-            two.runner.pool.window_map.copy_(one.runner.pool.window_map)
+        if family == "gemma4":  # window slots for the blocks, as the allocator would give them
+            for engine in (one, two):
+                engine.runner.pool.window_map[:8] = torch.arange(8, dtype=torch.int32)
         for starts, tokens in (([0, 0], prompts), ([11, 6], [[7], [9]])):
             (logits_1, features_1), (logits_2, features_2) = (_forward(e, tables, starts, tokens) for e in (one, two))
             torch.testing.assert_close(logits_2, logits_1, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(features_2, features_1, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(features_2, features_1, rtol=1e-4, atol=1e-4 * features_1.abs().max().item())
         prompts = [_tokens(9, 3), _tokens(14, 4), _tokens(5, 5)]
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         expected = [seq.output_ids for seq in one.generate(prompts, params)]
