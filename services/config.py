@@ -113,6 +113,12 @@ class EngineConfig(_Config):
                                 "prefill), so greedy output equals target-only decoding bit for bit in bf16 and fp16 "
                                 "too, and a seeded request's output does not depend on the batch. Needs the fused "
                                 "target forward; slower (not yet measured).")
+    tensor_parallel_size: int = Field(1, gt=0, description="Devices the target is sharded over, one process each "
+                                      "(Megatron-style: attention and KV heads, MLP rows and the vocabulary split, "
+                                      "one all-reduce after each attention and MLP; NCCL on GPUs, gloo on CPU); the "
+                                      "scheduler and the drafter run on the first. Needs the fused target forward and "
+                                      "head counts it divides; not with deterministic. GPUs: the ones after "
+                                      "engine.device's (cuda: 0 to N-1). 1: no sharding.")
     async_scheduling: bool = Field(True, description="Launch each round before the host has read the last one's "
                                    "results, so sampling, stop checks and streaming overlap the GPU's work (with "
                                    "CUDA graphs and an in-process drafter, or none). Off: one host sync between "
@@ -169,6 +175,19 @@ class EngineConfig(_Config):
         if self.deterministic and self.target_impl == "transformers":
             raise ValueError("deterministic=true needs the fused target forward (its kernels are the batch-invariant "
                              "ones): set target_impl to auto or fused")
+        return self
+
+    @model_validator(mode="after")
+    def _sharded_forward(self) -> EngineConfig:
+        if self.tensor_parallel_size > 1 and self.target_impl == "transformers":
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} shards the fused target forward: set "
+                             "target_impl to auto or fused (or tensor_parallel_size to 1)")
+        if self.tensor_parallel_size > 1 and self.deterministic:
+            # An all-reduce's summation order (ring or tree, chunking) depends on the message size,
+            # i.e. on the batch: a row's bits would depend on what runs beside it.
+            raise ValueError(f"deterministic=true with tensor_parallel_size={self.tensor_parallel_size}: the "
+                             "all-reduce's summation order depends on the batch size, so no row is batch-invariant; "
+                             "use one of the two")
         return self
 
     @field_validator("num_speculative_tokens_per_batch_size", mode="before")
@@ -238,7 +257,9 @@ class ServeConfig(_Config):
                                          "'The serving path'). The first and the last message go at once. 0: no "
                                          "wait (one message per engine step and request).")
     verifier_num_gpus: float = Field(1.0, ge=0, description="GPUs per verifier replica when engine.device is cuda "
-                                     "(none on CPU). With drafter_placement shared its drafter runs on the same GPU.")
+                                     "(none on CPU). With drafter_placement shared its drafter runs on the same GPU. "
+                                     "With engine.tensor_parallel_size N > 1: per rank, and 1 (a whole GPU each): "
+                                     "the replica takes N GPUs of one node, its ranks processes on them.")
     drafter_placement: DrafterPlacement = Field("shared", description="Where a split verifier's drafter computes. "
                                                 "shared: on the verifier's GPU. own_gpu: on a GPU of its own, one "
                                                 "more per replica; it maps the verifier's buffers by CUDA IPC and "
@@ -251,6 +272,11 @@ class ServeConfig(_Config):
     def _consistent(self) -> ServeConfig:
         if self.engine.device.startswith("cuda") and self.verifier_num_gpus <= 0:
             raise ValueError(f"engine.device={self.engine.device} needs verifier_num_gpus > 0")
+        world = self.engine.tensor_parallel_size
+        if world > 1 and self.engine.device.startswith("cuda") and self.verifier_num_gpus != 1:
+            raise ValueError(f"engine.tensor_parallel_size={world} runs each rank on a whole GPU of its own: set "
+                             f"verifier_num_gpus to 1 (GPUs per rank; the replica takes {world}), not "
+                             f"{self.verifier_num_gpus}")
         if self.topology == "split" and not self.engine.drafter:
             raise ValueError("topology=split needs engine.drafter (or use topology=colocated for target-only)")
         if self.drafter_placement == "own_gpu":
@@ -270,7 +296,10 @@ class ServeConfig(_Config):
 
     @property
     def gpus_per_verifier(self) -> float:
-        return self.verifier_num_gpus if self.engine.device.startswith("cuda") else 0.0
+        """GPUs Ray gives a verifier replica: one per tensor-parallel rank (all in the replica's
+        own bundle: one node, and the ranks, its processes, see them all)."""
+        return self.verifier_num_gpus * self.engine.tensor_parallel_size if self.engine.device.startswith("cuda") \
+            else 0.0
 
     @property
     def gpus_per_drafter(self) -> float:

@@ -22,12 +22,18 @@ FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "gemma4")
 
 
 def tiny_target(family: str, *, layers: int = 8, hidden: int = 32, vocab: int = 96, seed: int = 0,
-                softcap: float | None = None):
+                softcap: float | None = None, biases: bool = False):
+    """`biases` (llama): every projection has a bias (attention_bias, mlp_bias), random (transformers
+    initializes them to zero, which would hide one added twice or not at all)."""
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
+        model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=biases, mlp_bias=biases))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, 0.5)
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif family == "qwen3":
@@ -65,14 +71,14 @@ def _gemma4_twin(seed: int, layer_scalars: bool, **config):
 GEMMA4_LAYER_TYPES = ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]
 
 
-def gemma4_31b_twin(seed: int = 0, vocab_size: int = 96):
+def gemma4_31b_twin(seed: int = 0, vocab_size: int = 96, global_kv_heads: int = 1):
     """google/gemma-4-31B's structure at toy size: sliding layers of 2 KV heads of 8 (the real:
-    16 of 256), global layers of 1 KV head of 16 (the real: 4 of 512) whose values are their keys
-    (attention_k_eq_v), proportional RoPE on a quarter of the global head, layer scalars, the
-    final logit softcap (30)."""
+    16 of 256), global layers of `global_kv_heads` KV heads of 16 (the real: 4 of 512) whose values
+    are their keys (attention_k_eq_v), proportional RoPE on a quarter of the global head, layer
+    scalars, the final logit softcap (30)."""
     return _gemma4_twin(seed, True, num_hidden_layers=6, layer_types=GEMMA4_LAYER_TYPES, global_head_dim=16,
-                        num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0,
-                        vocab_size=vocab_size)
+                        num_global_key_value_heads=global_kv_heads, attention_k_eq_v=True,
+                        hidden_size_per_layer_input=0, vocab_size=vocab_size)
 
 
 def gemma4_e4b_twin(seed: int = 0):

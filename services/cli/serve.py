@@ -60,8 +60,10 @@ def _local_gpus(config: ServeConfig) -> int:
     have = torch.cuda.device_count() if wanted else 0
     if wanted > have:
         own = " plus 1 for its drafter (drafter_placement=own_gpu)" if config.gpus_per_drafter else ""
-        raise ValueError(f"a verifier replica takes {wanted} GPUs (verifier_num_gpus={config.verifier_num_gpus}{own}), "
-                         f"but this machine has {have}")
+        ranks = config.engine.tensor_parallel_size
+        each = f" for each of engine.tensor_parallel_size={ranks} ranks" if ranks > 1 else ""
+        raise ValueError(f"a verifier replica takes {wanted} GPUs (verifier_num_gpus={config.verifier_num_gpus}"
+                         f"{each}{own}), but this machine has {have}")
     return wanted
 
 

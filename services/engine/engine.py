@@ -55,6 +55,7 @@ from dflash_serve.services.engine.scheduler import Scheduler
 from dflash_serve.services.engine.speculation import SpeculationPolicy
 from dflash_serve.services.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
 from dflash_serve.services.engine.target_runner import TargetRunner
+from dflash_serve.services.engine.tensor_parallel import TensorParallelError
 from dflash_serve.services.engine.two_groups import MIN_GROUP_SIZE, Group, TwoGroups
 
 log = logging.getLogger(__name__)
@@ -327,6 +328,8 @@ class Engine(Prefilling, Rounds, TwoGroups):
         """A failing forward fails its requests, frees their blocks and leaves the engine serving."""
         try:
             return phase(work, *args)
+        except TensorParallelError:
+            raise  # a rank is gone: no forward can run any more; the engine's owner ends (the replica restarts)
         except Exception as err:  # noqa: BLE001 - any failure of a batch must not take the others down
             log.exception("engine step failed for %d request(s)", len(seqs))
             for seq in seqs:

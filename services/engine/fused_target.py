@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -62,6 +63,9 @@ from dflash_serve.kernels import (
 from dflash_serve.services.engine.fused_moe import Gemma4MoeBlock, Qwen3MoeBlock
 from dflash_serve.services.engine.kv_cache import AttentionBatch, KVPool
 from dflash_serve.services.models.target import TargetModel
+
+if TYPE_CHECKING:
+    from dflash_serve.services.engine.tensor_parallel import TensorParallel
 
 LLAMA_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 GEMMA_FAMILIES = ("gemma3_text", "gemma4_text")
@@ -318,7 +322,9 @@ class FusedStack:
 
     `gemma`: the layers are Gemma's (sandwich norms scaled in float32, GELU-tanh MLP).
     `batch_invariant`: attention by `paged_attention_invariant` (a row's bits independent of the
-    batch; the layers' GEMMs must then be InvariantLinear too)."""
+    batch; the layers' GEMMs must then be InvariantLinear too).
+    `all_reduce`: the layers are a tensor-parallel shard (`tensor_parallel`): the O and down
+    projections' partial sums go through it; None: the whole layers."""
 
     layers: list[FusedLayer]
     final_norm: torch.Tensor
@@ -328,6 +334,7 @@ class FusedStack:
     eps: float
     gemma: bool = False
     batch_invariant: bool = False
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self):
         self.activation: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_mul if self.gemma else silu_mul
@@ -411,12 +418,15 @@ class FusedStack:
         attn = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start,
                          scale=layer.scaling, causal=layer.causal, window=layer.window,
                          max_query_len=batch.max_query_len, keys_from_values=layer.keys_from_values)
-        return layer.o(attn.view(attn.shape[0], -1))
+        out = layer.o(attn.view(attn.shape[0], -1))
+        return out if self.all_reduce is None else self.all_reduce(out)
 
     def _mlp(self, layer: FusedLayer, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The feed-forward output on its normed input x; `residual`: the stream x was normed from
         (Gemma-4's experts read it)."""
         dense = None if layer.gate_up is None else layer.down(self.activation(layer.gate_up(x)))
+        if self.all_reduce is not None:  # a shard has no MoE blocks (tensor_parallel refuses them)
+            return self.all_reduce(dense)
         return dense if layer.moe is None else layer.moe(x, residual, dense)
 
 
@@ -426,9 +436,14 @@ class FusedTargetRunner:
     `deterministic` (`EngineConfig.deterministic`): every GEMM (the LM head's too) is an
     InvariantLinear and attention is batch-invariant, so a token's logits have the same bits in a
     decode, a verify or a prefill, whatever else is in the batch (the norms, RoPE, activations and
-    the embedding are per-row kernels already)."""
+    the embedding are per-row kernels already).
 
-    def __init__(self, target: TargetModel, pool: KVPool, *, max_positions: int, deterministic: bool = False):
+    `tp`: `target` is this rank's shard (`tensor_parallel.shard_target`) and `pool` holds its KV
+    heads: the layers all-reduce, the embedding and LM head are its vocabulary slice's, and
+    `forward` (rank 0) sends each forward's inputs to the other ranks first."""
+
+    def __init__(self, target: TargetModel, pool: KVPool, *, max_positions: int, deterministic: bool = False,
+                 tp: TensorParallel | None = None):
         reason = fused_unsupported_reason(target)
         if reason is not None:
             raise ValueError(f"{type(target.model).__name__}: no fused forward ({reason}); use target_impl=transformers")
@@ -438,6 +453,7 @@ class FusedTargetRunner:
                              "turn it off to serve this target")
         self.target = target
         self.pool = pool
+        self.tp = tp
         cfg = target.config
         text_model = _text_model(target)
         gemma = cfg.model_type in GEMMA_FAMILIES
@@ -461,8 +477,10 @@ class FusedTargetRunner:
             if spec.keys_from_values:
                 owner = index if spec.reads_layer is None else spec.reads_layer
                 layer.keys_from_values = (layers[owner].k_norm, *layer.rope)
-        self.stack = FusedStack(layers, final_norm, pool, cfg.num_attention_heads, kv_heads[0],
-                                float(cfg.rms_norm_eps), gemma=gemma, batch_invariant=deterministic)
+        world = 1 if tp is None else tp.world
+        self.stack = FusedStack(layers, final_norm, pool, cfg.num_attention_heads // world, kv_heads[0],
+                                float(cfg.rms_norm_eps), gemma=gemma, batch_invariant=deterministic,
+                                all_reduce=None if tp is None else tp.all_reduce)
         # None: the target's own LM head (a SkinnyLinear, which hands more than 16 rows to cuBLAS).
         self.lm_head = InvariantLinear(target.lm_head.weight, target.lm_head.bias) if deterministic else None
         # Gemma-4 E2B/E4B: the per-layer inputs are computed once per forward by the model's own
@@ -477,18 +495,29 @@ class FusedTargetRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, logits_rows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Packed tokens [T] at positions [T] -> (logits [K, V] of rows `logits_rows`, features [T, F*H])."""
+        if self.tp is None:
+            return self.forward_shard(input_ids, positions, batch, logits_rows)
+        return self.tp.lead(self.forward_shard, input_ids, positions, batch, logits_rows, self.pool.window_map)
+
+    def forward_shard(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, logits_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` on this rank alone (every rank of a tensor-parallel group runs it on the same inputs)."""
         features: list[torch.Tensor | None] = [None] * len(self.target.layer_ids)
 
         def keep(layer: int, residual: torch.Tensor) -> None:
             for slot in self.capture.get(layer, ()):
                 features[slot] = residual
 
-        embeds = self.target.embed(input_ids)
+        embeds = self.target.embed(input_ids) if self.tp is None else self.tp.embed(input_ids)
         per_layer_inputs = None
         if self._text_model is not None:
             per_layer_inputs = self._text_model.project_per_layer_inputs(
                 embeds[None], self._text_model.get_per_layer_inputs(input_ids[None]))[0]
         # Every target layer carries its RoPE table: none is passed to the stack.
         x = self.stack.forward(embeds, positions, None, None, batch, keep, per_layer_inputs)
-        logits = self.target.logits(x[logits_rows], self.lm_head)
+        if self.tp is None:
+            logits = self.target.logits(x[logits_rows], self.lm_head)
+        else:
+            logits = self.tp.logits(self.target, x[logits_rows])
         return logits, torch.cat(features, dim=-1) if features else None

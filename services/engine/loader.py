@@ -20,6 +20,7 @@ from dflash_serve.services.engine.prefill_graphs import CHUNK_BUCKETS, TOKEN_BUC
 from dflash_serve.services.engine.round_cost_cache import NOT_IN_KEY, RoundCostCache, machine, model_shape
 from dflash_serve.services.engine.speculation import k_buckets
 from dflash_serve.services.engine.target_runner import TargetRunner, unservable_reason
+from dflash_serve.services.engine.tensor_parallel import PoolGeometry, TensorParallel, launch
 from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel, load_drafter
 from dflash_serve.services.models.default_pair import cache_dir
 
@@ -104,14 +105,18 @@ def allocate_target_kv(layout: list[LayerKV], num_blocks: int, scratch: int, blo
     return pool, allocator
 
 
-def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions: int, deterministic: bool = False
-                  ) -> TargetRunner | FusedTargetRunner:
+def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions: int, deterministic: bool = False,
+                  tp: TensorParallel | None = None) -> TargetRunner | FusedTargetRunner:
     """The target's forward for `EngineConfig.target_impl`; auto takes the fused one where it applies.
-    `deterministic` needs the fused one (EngineConfig refuses it with target_impl=transformers)."""
+    `deterministic` needs the fused one (EngineConfig refuses it with target_impl=transformers), and so
+    does `tp` (`tensor_parallel.launch` refused a target without one)."""
     name = type(target.model).__name__
     reason = unservable_reason(target)
     if reason is not None:
         raise ValueError(f"{name} cannot be served: {reason}")
+    if tp is not None:
+        log.info("target forward: fused layers for %s, rank 0 of %d tensor-parallel ranks", name, tp.world)
+        return FusedTargetRunner(target, pool, max_positions=max_positions, tp=tp)
     if impl == "transformers":
         log.info("target forward: transformers layer code for %s (target_impl=transformers)", name)
         return TargetRunner(target, pool, max_positions=max_positions)
@@ -156,7 +161,22 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
     `remote_drafter`: the config of a drafter that another process will serve (it is attached
     later); the verify graphs take its drafts from the host. Its KV pool, the same number of
     blocks, is counted in the sizing when it lives on this GPU (`remote_drafter_kv_here`), not
-    when the drafter has a GPU of its own."""
+    when the drafter has a GPU of its own.
+
+    With `config.tensor_parallel_size` > 1 the other ranks' processes start here and `target`
+    becomes rank 0's shard (`tensor_parallel`); they stop if the engine cannot be built."""
+    tp = launch(config, target) if config.tensor_parallel_size > 1 else None
+    try:
+        return _assemble(config, target, drafter, tokenizer, eos_token_ids, remote_drafter, remote_drafter_kv_here, tp)
+    except BaseException:
+        if tp is not None:
+            tp.close()
+        raise
+
+
+def _assemble(config: EngineConfig, target: TargetModel, drafter: DFlashDraftModel | None, tokenizer,
+              eos_token_ids: set[int] | frozenset[int], remote_drafter: DFlashDraftConfig | None,
+              remote_drafter_kv_here: bool, tp: TensorParallel | None) -> Engine:
     device, dtype = target.device, target.dtype
     t_layout = TargetRunner.kv_layout(target)
     per_block = KVPool.layout_bytes_per_block(t_layout, config.kv_block_size, dtype)
@@ -167,6 +187,11 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
             per_block += KVPool.bytes_per_block(d_layers, config.kv_block_size, d_heads, d_dim, dtype)
     lookahead = draft_cfg.block_size if draft_cfg is not None else 1
     use_graphs = config.cuda_graphs and device.type == "cuda"
+    if use_graphs and tp is not None:
+        # The followers would have to replay the same graphs in step: not built yet.
+        log.warning("cuda_graphs: no CUDA graphs with tensor_parallel_size=%d (not captured over the collectives "
+                    "yet): every forward runs eagerly", tp.world)
+        use_graphs = False
     # CUDA graphs pad small batches with rows that write into these reserved scratch blocks.
     scratch = -(-lookahead // config.kv_block_size) if use_graphs else 0
     max_len = config.max_model_len or int(getattr(target.config, "max_position_embeddings", 0) or 32768)
@@ -192,8 +217,10 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
     pool, allocator = allocate_target_kv(t_layout, blocks, scratch, config.kv_block_size, window_slots, dtype, device)
     # A round chained after one not yet read may start a whole block further on (Engine.step).
     max_positions = max_len + 2 * lookahead
+    if tp is not None:
+        tp.send_setup(PoolGeometry(blocks, scratch, config.kv_block_size, window_slots, max_positions))
     runner = target_runner(config.target_impl, target, pool, max_positions=max_positions,
-                           deterministic=config.deterministic)
+                           deterministic=config.deterministic, tp=tp)
     proposer = None
     if drafter is not None:
         draft_pool = KVPool.allocate(d_layers, blocks, config.kv_block_size, d_heads, d_dim, dtype, device)

@@ -38,6 +38,7 @@ from ray.serve.exceptions import ReplicaUnavailableError
 from dflash_serve.services.api.dflash.v1 import generation_pb2
 from dflash_serve.services.engine.request import RequestOutput
 from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.router.auth import UNAUTHENTICATED_MESSAGE, ApiKeys, grpc_authorization
 from dflash_serve.services.router.validation import (
     InvalidRequest,
@@ -51,7 +52,7 @@ from dflash_serve.services.router.validation import (
     no_input,
     sampling_params,
 )
-from dflash_serve.services.verifier.output_stream import FINISH_REASONS, OutputListener, StreamLost
+from dflash_serve.services.verifier.output_stream import FINISH_REASONS, LOOP_STOPPED, OutputListener, StreamLost
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 HEALTH_CHECK_TIMEOUT_S = 5.0  # a verifier busy with a long prefill still answers within this
@@ -60,6 +61,11 @@ log = logging.getLogger(__name__)
 
 # A verifier call lost to its replica (died, restarting, unreachable): retryable, UNAVAILABLE.
 _REPLICA_GONE = (RayActorError, NodeDiedError, ReplicaUnavailableError, StreamLost)
+# A request whose replica was lost before it produced a token goes again, at most this many times,
+# each after Serve's health-check period (app.HEALTH_CHECK_PERIOD_S): by then Serve has seen the
+# lost replica fail its check and routes no more calls to it.
+LOST_REPLICA_RETRIES = 2
+LOST_REPLICA_RETRY_WAIT_S = 1.0
 
 
 class RpcFailed(Exception):
@@ -67,12 +73,14 @@ class RpcFailed(Exception):
 
 
 class RequestFailed(Exception):
-    """A request refused or failed: the status gRPC sets, and the HTTP API maps to its own."""
+    """A request refused or failed: the status gRPC sets, and the HTTP API maps to its own.
+    `replica_lost`: its verifier replica failed, not the request (it may go to another)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, *, replica_lost: bool = False):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.replica_lost = replica_lost
 
 
 class Router:
@@ -191,34 +199,58 @@ class Router:
     async def outputs(self, request, request_id: str) -> AsyncIterator[RequestOutput]:
         """The verifier's outputs for a `dflash.v1.GenerateRequest`, after admission and validation;
         raises RequestFailed. Closing it early (the client went away) cancels the verifier call,
-        which frees the request's KV on the verifier and its drafter."""
+        which frees the request's KV on the verifier and its drafter. A request whose replica was
+        lost before it produced a token is sent again (LOST_REPLICA_RETRIES)."""
         self._admit(request_id)
         try:
             try:
                 prompt_ids, params = await self._prepare(request)
             except InvalidRequest as err:
                 raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-            queue = self.verifier_outputs.open(request_id)
-            try:
-                reply_to = await self.verifier_outputs.reply_to()
-                call = self.verifier.generate.remote(prompt_ids, params, request_id, reply_to)
-                ended = asyncio.ensure_future(call)
-                ended.add_done_callback(lambda task: self.verifier_outputs.put_end(request_id, _CallEnded(task)))
-                last: RequestOutput | None = None
+            for attempt in range(LOST_REPLICA_RETRIES + 1):
+                produced = False
                 try:
-                    async for last in self._merged_outputs(request_id, queue):
-                        yield last
-                finally:
-                    if last is None or not last.finished:
-                        call.cancel()  # the client cancelled, its deadline passed, or the call failed
-            finally:
-                self.verifier_outputs.close(request_id)
-            if last is None or not last.finished:
-                raise RequestFailed(grpc.StatusCode.INTERNAL, "the verifier's stream ended before the request finished")
-            if _finish_reason(last) == generation_pb2.FINISH_REASON_ERROR:
-                raise RequestFailed(grpc.StatusCode.INTERNAL, f"generation failed: {last.error or 'no reason given'}")
+                    async with aclosing(self._call(prompt_ids, params, request_id)) as outputs:
+                        async for out in outputs:  # closed at once when the client goes: its call is cancelled
+                            produced = True
+                            yield out
+                    return
+                except RequestFailed as err:
+                    if produced or not err.replica_lost or attempt == LOST_REPLICA_RETRIES:
+                        raise
+                    log.warning("request %s: %s; sending it again", request_id, err.message)
+                await asyncio.sleep(LOST_REPLICA_RETRY_WAIT_S)
         finally:
             self._in_flight.discard(request_id)
+
+    async def _call(self, prompt_ids: list[int], params: SamplingParams, request_id: str
+                    ) -> AsyncIterator[RequestOutput]:
+        """One verifier call's outputs; raises RequestFailed. A stopped engine loop's end of the
+        request is passed on only with tokens that came with it: the status says why it ended, and
+        a request that produced nothing may go again."""
+        queue = self.verifier_outputs.open(request_id)
+        try:
+            reply_to = await self.verifier_outputs.reply_to()
+            call = self.verifier.generate.remote(prompt_ids, params, request_id, reply_to)
+            ended = asyncio.ensure_future(call)
+            ended.add_done_callback(lambda task: self.verifier_outputs.put_end(request_id, _CallEnded(task)))
+            last: RequestOutput | None = None
+            try:
+                async for last in self._merged_outputs(request_id, queue):
+                    if not _loop_stopped(last) or last.new_token_ids:
+                        yield last
+            finally:
+                if last is None or not last.finished:
+                    call.cancel()  # the client cancelled, its deadline passed, or the call failed
+        finally:
+            self.verifier_outputs.close(request_id)
+        if last is None or not last.finished:
+            raise RequestFailed(grpc.StatusCode.INTERNAL, "the verifier's stream ended before the request finished")
+        if _loop_stopped(last):
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"the verifier replica serving this request failed "
+                                f"({last.error}): retry", replica_lost=True)
+        if _finish_reason(last) == generation_pb2.FINISH_REASON_ERROR:
+            raise RequestFailed(grpc.StatusCode.INTERNAL, f"generation failed: {last.error or 'no reason given'}")
 
     async def _merged_outputs(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         """The request's outputs up to its last, each one merging every output that arrived since
@@ -390,8 +422,14 @@ def _verifier_failed(err: Exception, *, produced: bool) -> RequestFailed:
         # The replica died or is restarting: nothing wrong with the request, and Serve brings a
         # replica back — a retryable loss, as gRPC's UNAVAILABLE says.
         return RequestFailed(grpc.StatusCode.UNAVAILABLE,
-                             f"the verifier replica serving this request is gone ({_describe(err)}): retry")
+                             f"the verifier replica serving this request is gone ({_describe(err)}): retry",
+                             replica_lost=True)
     return RequestFailed(grpc.StatusCode.INTERNAL, f"the verifier failed: {_describe(err)}")
+
+
+def _loop_stopped(out: RequestOutput) -> bool:
+    """An output ended by its replica's engine loop stopping (`engine_process.EngineLoop.run`)."""
+    return out.finish_reason is FinishReason.ERROR and (out.error or "").startswith(LOOP_STOPPED)
 
 
 def _cause(err: BaseException) -> BaseException:

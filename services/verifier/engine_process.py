@@ -37,7 +37,7 @@ from dflash_serve.services.config import ServeConfig
 from dflash_serve.services.engine.request import RequestOutput, SpecStats
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.verifier.engine_metrics import MetricEvents, RequestTimings
-from dflash_serve.services.verifier.output_stream import ReplyTo, RouterChannel
+from dflash_serve.services.verifier.output_stream import LOOP_STOPPED, ReplyTo, RouterChannel
 
 log = logging.getLogger(__name__)
 GAUGE_PERIOD_S = 1.0  # gauges are set again this often (Ray exports what was recorded lately)
@@ -133,7 +133,7 @@ class EngineLoop:
             log.exception("the engine loop stopped; this replica fails its health check from now on")
             for request_id in list(self._requests):  # their streams end with the reason
                 self._deliver(RequestOutput(request_id, [], "", True, FinishReason.ERROR, 0, 0, SpecStats(),
-                                            error=f"the engine loop stopped: {text}"))
+                                            error=f"{LOOP_STOPPED}{text}"))
             self._flush_outputs()
             self._replies.append(("loop_error", text))
             self._send_replies(metrics=True)

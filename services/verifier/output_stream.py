@@ -30,6 +30,9 @@ from dflash_serve.services.transport.channel import DEFAULT_MAX_FRAME_BYTES, HEA
 
 log = logging.getLogger(__name__)
 
+# The error of the outputs that end a replica's requests when its engine loop stops (a sticky CUDA
+# error, a lost tensor-parallel rank): the replica, not the request, failed.
+LOOP_STOPPED = "the engine loop stopped: "
 CONNECT_TIMEOUT_S = 10.0
 # Unsent bytes a router may fall behind by before its channel is closed and its requests fail:
 # seconds of output at any load, and a bound on what a stopped router can make a verifier hold.

@@ -399,6 +399,28 @@ def test_own_gpu_needs_a_pod_with_the_verifiers_gpus_and_one_more(verifier_gpus,
     assert resources["limits"]["nvidia.com/gpu"] == str(gpus_per_pod)
 
 
+@pytest.mark.parametrize(("dflash", "gpus_per_pod", "refused"), [
+    ({}, 1, r"dflash.engine.tensor_parallel_size is 2: a verifier replica's ranks take 2 GPUs of one pod \(a whole "
+            r"one each, on one node\), but gpuWorkers.gpusPerPod is 1: set it to at least 2"),
+    ({}, 2, None),
+    ({"drafter_placement": "own_gpu"}, 2, r"dflash.drafter_placement is own_gpu: .* take 3 GPUs of one pod "
+                                          r"\(verifier_num_gpus × engine.tensor_parallel_size 2 plus a whole one .* "
+                                          "at least 3"),
+    ({"drafter_placement": "own_gpu"}, 3, None),
+])
+def test_a_tensor_parallel_replica_needs_a_pod_with_a_gpu_per_rank(dflash, gpus_per_pod, refused):
+    """The replica's ranks are processes on its GPUs, which Ray gives from one pod: a pod too small
+    would leave the replica pending forever, so the chart refuses it at install."""
+    values = {"dflash": {**dflash, "engine": {"tensor_parallel_size": 2}}, "gpuWorkers": {"gpusPerPod": gpus_per_pod}}
+    if refused:
+        with pytest.raises(helm_python.HelmRenderError, match=refused):
+            render(values)
+        return
+    rendered = render(values)
+    assert ServeConfig.from_dict(rendered.dflash_config).engine.tensor_parallel_size == 2
+    assert rendered.app["args"]["engine"]["tensor_parallel_size"] == 2
+
+
 def test_shared_placement_needs_no_second_gpu():
     render({"dflash": {"drafter_placement": "shared"}, "gpuWorkers": {"gpusPerPod": 1}})
 

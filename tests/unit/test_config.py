@@ -41,6 +41,11 @@ def no_dflash_environment(monkeypatch):
     ({**BASE, "num_replicas": 3, "max_replicas": 2}, ["max_replicas=2 is below num_replicas=3"]),
     ({"engine": {"target": "t", "device": "cuda"}, "topology": "colocated", "verifier_num_gpus": 0},
      ["engine.device=cuda needs verifier_num_gpus > 0"]),
+    ({"engine": {"target": "t", "tensor_parallel_size": 0}}, ["engine.tensor_parallel_size=0: must be positive"]),
+    ({"engine": {"target": "t", "tensor_parallel_size": 2, "target_impl": "transformers"}},
+     ["tensor_parallel_size=2 shards the fused target forward: set target_impl to auto or fused"]),
+    ({"engine": {"target": "t", "tensor_parallel_size": 2, "deterministic": True}},
+     ["deterministic=true with tensor_parallel_size=2: the all-reduce's summation order depends on the batch size"]),
 ])
 def test_a_bad_config_is_refused_naming_the_key_and_the_reason(raw, says):
     with pytest.raises(ValueError) as raised:
@@ -160,6 +165,14 @@ def test_generated_flags_parse_to_typed_values_and_old_names_still_work():
         {"cuda_graphs": True}
     with pytest.raises(SystemExit):
         parse(["generate", "--prompt", "x", "--target-impl", "fast"])
+
+
+def test_tensor_parallel_size_is_a_flag_and_an_environment_key(monkeypatch):
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--tensor-parallel-size", "2"])
+    assert given_config_flags(args, EngineConfig) == {"tensor_parallel_size": 2}
+    monkeypatch.setenv("DFLASH_ENGINE__TENSOR_PARALLEL_SIZE", "4")
+    assert ServeConfig.load(BASE).engine.tensor_parallel_size == 4
+    assert EngineConfig(target="t").tensor_parallel_size == 1
 
 
 @pytest.mark.parametrize("value", ["{1: 15, 8: 7, 32: 0}", '{"1": 15, "8": 7, "32": 0}'])

@@ -32,6 +32,8 @@ CUDA_PAIR = {"engine": {"target": "t", "drafter": "d", "device": "cuda"}}
     ({"engine": {"target": "t", "drafter": "d"}, "drafter_placement": "own_gpu"},
      "drafter_placement=own_gpu needs engine.device=cuda (not cpu); or use drafter_placement=shared"),
     ({**CUDA_PAIR, "drafter_placement": "own"}, "drafter_placement='own': choose one of shared, own_gpu"),
+    ({"engine": {**CUDA_PAIR["engine"], "tensor_parallel_size": 2}, "verifier_num_gpus": 0.5},
+     "engine.tensor_parallel_size=2 runs each rank on a whole GPU of its own: set verifier_num_gpus to 1"),
 ])
 def test_own_gpu_without_what_it_needs_is_refused_naming_the_fix(raw, says):
     with pytest.raises(ValueError) as raised:
@@ -44,16 +46,31 @@ def _bundles(config: ServeConfig) -> tuple[list[dict], str]:
     return verifier._replica_config.placement_group_bundles, verifier._replica_config.placement_group_strategy
 
 
-@pytest.mark.parametrize(("placement", "verifier_gpus", "bundles"), [
-    ("shared", 1.0, [{"CPU": VERIFIER_CPUS, "GPU": 1.0}, {"CPU": DRAFTER_CPUS}]),
-    ("own_gpu", 1.0, [{"CPU": VERIFIER_CPUS, "GPU": 1.0}, {"CPU": DRAFTER_CPUS, "GPU": 1.0}]),
-    ("own_gpu", 0.5, [{"CPU": VERIFIER_CPUS, "GPU": 0.5}, {"CPU": DRAFTER_CPUS, "GPU": 1.0}]),
+@pytest.mark.parametrize(("placement", "verifier_gpus", "bundles", "ranks"), [
+    ("shared", 1.0, [{"CPU": VERIFIER_CPUS, "GPU": 1.0}, {"CPU": DRAFTER_CPUS}], 1),
+    ("own_gpu", 1.0, [{"CPU": VERIFIER_CPUS, "GPU": 1.0}, {"CPU": DRAFTER_CPUS, "GPU": 1.0}], 1),
+    ("own_gpu", 0.5, [{"CPU": VERIFIER_CPUS, "GPU": 0.5}, {"CPU": DRAFTER_CPUS, "GPU": 1.0}], 1),
+    # engine.tensor_parallel_size 2: the verifier's bundle holds both ranks' GPUs (one node; its
+    # processes see both), the drafter reads rank 0's features on the first.
+    ("shared", 1.0, [{"CPU": VERIFIER_CPUS, "GPU": 2.0}, {"CPU": DRAFTER_CPUS}], 2),
+    ("own_gpu", 1.0, [{"CPU": VERIFIER_CPUS, "GPU": 2.0}, {"CPU": DRAFTER_CPUS, "GPU": 1.0}], 2),
 ])
 def test_the_drafter_bundle_holds_a_gpu_only_with_own_gpu_and_the_pair_stays_on_one_node(placement, verifier_gpus,
-                                                                                        bundles):
-    config = ServeConfig.from_dict({**CUDA_PAIR, "drafter_placement": placement, "verifier_num_gpus": verifier_gpus})
+                                                                                        bundles, ranks):
+    engine = {**CUDA_PAIR["engine"], "tensor_parallel_size": ranks}
+    config = ServeConfig.from_dict({"engine": engine, "drafter_placement": placement,
+                                    "verifier_num_gpus": verifier_gpus})
     assert _bundles(config) == (bundles, "STRICT_PACK")
     assert config.gpus_per_drafter == (1.0 if placement == "own_gpu" else 0.0)
+
+
+def test_a_colocated_tensor_parallel_replica_asks_for_all_its_ranks_gpus():
+    """One actor's GPUs are on one node; the replica's engine process starts a rank on each."""
+    config = ServeConfig.from_dict({"engine": {"target": "t", "device": "cuda", "tensor_parallel_size": 4},
+                                    "topology": "colocated"})
+    verifier = build_app(config)._bound_deployment.init_args[0]._bound_deployment
+    assert verifier.ray_actor_options["num_gpus"] == 4.0
+    assert verifier._replica_config.placement_group_bundles is None
 
 
 def test_on_cpu_neither_bundle_holds_a_gpu():
@@ -186,6 +203,10 @@ def test_on_a_gpu_the_kv_cache_holds_what_the_batch_can_use_within_its_share_of_
     ({**CUDA_PAIR, "drafter_placement": "own_gpu"}, 1,
      "a verifier replica takes 2 GPUs (verifier_num_gpus=1.0 plus 1 for its drafter (drafter_placement=own_gpu)), "
      "but this machine has 1"),
+    ({"engine": {**CUDA_PAIR["engine"], "tensor_parallel_size": 2}}, 2, 2),
+    ({"engine": {**CUDA_PAIR["engine"], "tensor_parallel_size": 2}, "drafter_placement": "own_gpu"}, 2,
+     "a verifier replica takes 3 GPUs (verifier_num_gpus=1.0 for each of engine.tensor_parallel_size=2 ranks plus 1 "
+     "for its drafter (drafter_placement=own_gpu)), but this machine has 2"),
 ])
 def test_dflash_serve_lends_ray_one_replicas_gpus_with_its_drafters(raw, machine_gpus, lent, monkeypatch):
     from dflash_serve.services.cli.serve import _local_gpus

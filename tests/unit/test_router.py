@@ -453,13 +453,57 @@ def test_a_failing_verifier_call_is_internal_with_the_reason_and_is_cancelled(to
 @pytest.mark.parametrize("error", [ActorDiedError(), ActorUnavailableError("restarting", None),
                                    ReplicaUnavailableError("Verifier#abc")],
                          ids=["died", "unavailable", "replica-gone"])
-def test_losing_the_verifier_replica_is_unavailable_so_clients_retry(tokenizer, error, after_first_round):
+def test_losing_the_verifier_replica_is_unavailable_so_clients_retry(tokenizer, error, after_first_round, monkeypatch):
+    """Before any output the router sends the request again first (LOST_REPLICA_RETRIES), here to
+    a replica lost as well."""
+    monkeypatch.setattr(router_module, "LOST_REPLICA_RETRY_WAIT_S", 0.0)
     verifier = FakeVerifier(raising(error, after_first_round=after_first_round))
     responses, context = generate(make_router(tokenizer, verifier), generation_pb2.GenerateRequest(prompt="hi"))
     assert len(responses) == int(after_first_round)
     assert context.code == Code.UNAVAILABLE and "retry" in context.details
     assert type(error).__name__ in context.details
     assert verifier.streams[0].cancelled
+    assert len(verifier.calls) == (1 if after_first_round else 1 + router_module.LOST_REPLICA_RETRIES)
+
+
+async def loop_stopped(prompt_ids, params, request_id):
+    """What a replica whose engine loop stopped (a tensor-parallel rank lost) sends a request it held."""
+    yield output(request_id, prompt_ids, [], "", 0, FinishReason.ERROR, error="the engine loop stopped: "
+                 "TensorParallelError: tensor-parallel rank 1 (pid 7) exited with signal SIGKILL")
+
+
+def first_call_then(first, then):
+    """A verifier script: `first` for the first call, `then` for every later one."""
+    calls = []
+
+    def script(*args):
+        calls.append(args)
+        return (first if len(calls) == 1 else then)(*args)
+
+    return script
+
+
+@pytest.mark.parametrize("lost", [raising(ActorDiedError()), loop_stopped], ids=["replica-died", "loop-stopped"])
+def test_a_request_whose_replica_failed_before_it_produced_a_token_goes_to_another(tokenizer, lost, monkeypatch):
+    monkeypatch.setattr(router_module, "LOST_REPLICA_RETRY_WAIT_S", 0.0)
+    verifier = FakeVerifier(first_call_then(lost, three_rounds))
+    responses, context = generate(make_router(tokenizer, verifier), generation_pb2.GenerateRequest(prompt="hi"))
+    assert context.code is None and "".join(r.text for r in responses) == "abcde"
+    assert responses[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    assert [call.request_id for call in verifier.calls] == [verifier.calls[0].request_id] * 2
+
+
+def test_a_request_whose_engine_loop_stopped_after_it_produced_tokens_is_unavailable_with_the_reason(tokenizer):
+    async def tokens_then_loop_stopped(prompt_ids, params, request_id):
+        yield output(request_id, prompt_ids, [10, 11], "ab", 2)
+        yield output(request_id, [], [], "", 0, FinishReason.ERROR,  # as EngineLoop.run sends it: no counts
+                     error="the engine loop stopped: TensorParallelError: tensor-parallel rank 1 (pid 7) exited")
+
+    verifier = FakeVerifier(tokens_then_loop_stopped)
+    responses, context = generate(make_router(tokenizer, verifier), generation_pb2.GenerateRequest(prompt="hi"))
+    assert "".join(r.text for r in responses) == "ab" and len(verifier.calls) == 1
+    assert context.code == Code.UNAVAILABLE and "retry" in context.details
+    assert "TensorParallelError: tensor-parallel rank 1 (pid 7) exited" in context.details
 
 
 def test_with_no_verifier_replica_running_a_request_fails_fast_as_unavailable(tokenizer, monkeypatch):
