@@ -10,6 +10,9 @@
 - `rope_kv_write`: a target layer's q/k norm + RoPE + paged K/V write, from its merged QKV output.
 - `silu_mul`, `gelu_tanh_mul`: SiLU(gate) · up (Llama, Qwen) or GELU-tanh(gate) · up (Gemma) of a
   merged gate-up projection.
+- `moe_route`, `moe_experts`: a mixture-of-experts block's routing (softmax top-k, renormalized,
+  scaled) and its experts at decode and verify sizes (each routed expert's weights read once per
+  launch, no sort); larger batches take the grouped GEMMs.
 - `SkinnyLinear`: a linear layer whose GEMMs of at most 16 rows (decode, verify, draft) are one
   launch streaming the weight, split-K reduce included.
 - `row_argmax`: greedy token choice over a vocabulary (the first index of each row's maximum).
@@ -35,6 +38,14 @@ from dflash_serve.kernels.invariant_attention import (
 )
 from dflash_serve.kernels.invariant_linear import InvariantLinear, invariant_linear_reference, invariant_linear_triton
 from dflash_serve.kernels.kv_injection import inject_context_kv, inject_context_kv_reference, inject_context_kv_triton
+from dflash_serve.kernels.moe import (
+    moe_experts,
+    moe_experts_grouped,
+    moe_experts_triton,
+    moe_route,
+    moe_route_reference,
+    moe_route_triton,
+)
 from dflash_serve.kernels.paged_attention import (
     paged_attention,
     paged_attention_batched,
@@ -78,6 +89,12 @@ __all__ = [
     "inject_context_kv_triton",
     "invariant_linear_reference",
     "invariant_linear_triton",
+    "moe_experts",
+    "moe_experts_grouped",
+    "moe_experts_triton",
+    "moe_route",
+    "moe_route_reference",
+    "moe_route_triton",
     "paged_attention",
     "paged_attention_batched",
     "paged_attention_invariant",

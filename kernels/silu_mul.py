@@ -89,10 +89,13 @@ if triton is not None:
         gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * x_row_stride + width + cols, mask=mask, other=0.0).to(tl.float32)
         dtype = out_ptr.dtype.element_ty
-        if GELU_TANH:
-            inner = TWO_SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
-            act = gate / (1.0 + tl.exp(-inner))
-        else:
-            act = gate / (1.0 + tl.exp(-gate))
-        act = act.to(dtype).to(tl.float32)  # the activation rounded to the dtype, as torch's is
+        act = gate_activation(gate, GELU_TANH).to(dtype).to(tl.float32)  # rounded to the dtype, as torch's is
         tl.store(out_ptr + row * width + cols, (act * up).to(dtype), mask=mask)
+
+    @triton.jit
+    def gate_activation(gate, GELU_TANH: tl.constexpr):
+        """SiLU or GELU-tanh of a float32 gate, in float32 (also the MoE experts' kernel's)."""
+        exponent = gate
+        if GELU_TANH:
+            exponent = TWO_SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
+        return gate / (1.0 + tl.exp(-exponent))

@@ -8,14 +8,16 @@ The experts' weights are stacked: gate-up [E, 2I, H] (each expert's gate rows, t
 and down [E, H, I] — views of transformers' own expert parameters, which its checkpoint loading
 already stacks in this layout, so no weight is held twice.
 
-The experts run grouped: the T·k (token, expert) pairs are sorted by expert, so each expert's
-rows are one contiguous run; `grouped_expert_ffn` sends each run through its expert's two GEMMs;
-the outputs go back to (token, pair) order and each token sums its k outputs, weighted. Its
-reference (the CPU path and the tests' oracle) loops over the experts that have rows, reading only
-their weights (at decode and verify sizes, the routed ones), and reads the run ends on the host:
-no CUDA graph can capture it. On a GPU that has it (bfloat16, SM80+) the two GEMMs are each one
-`torch.nn.functional.grouped_mm` over the same run ends, kept on the device, so CUDA graphs capture
-the whole block (tests/gpu checks it against transformers in bf16; BENCHMARKS measures it).
+Routing and experts are `kernels.moe`'s (`moe_route`, `moe_experts`): on a GPU, Triton routing
+for every token and Triton experts at decode and verify sizes (a few launches, each routed expert's
+weights read once); otherwise, and for larger batches, the torch path: the T·k (token, expert)
+pairs sorted by expert, so each expert's rows are one contiguous run, which `grouped_expert_ffn`
+sends through its expert's two GEMMs (on the CPU a loop over the experts that have rows, reading
+only their weights; on a GPU in bfloat16 one `torch.nn.functional.grouped_mm` per projection over
+run ends kept on the device); the outputs go back to (token, pair) order and each token sums its k
+outputs, weighted. The CPU path is the tests' oracle for the kernels.
+On a GPU neither path is yet checked against transformers in bf16 (tests/gpu and
+tests/unit/test_moe_kernels.py's CUDA cases are written); BENCHMARKS measures the grouped one.
 """
 
 from __future__ import annotations
@@ -28,36 +30,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from dflash_serve.kernels import rms_norm
-
-
-Activation = Callable[[torch.Tensor], torch.Tensor]
-
-
-def grouped_expert_ffn(rows: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                       activation: Activation) -> torch.Tensor:
-    """rows [N, H] sorted by expert, expert e's from ends[e-1] (0 for the first) to ends[e]
-    (int32 [E]) -> each row through its expert: down[e] · activation(gate_up[e] · row), [N, H]."""
-    if rows.is_cuda and rows.dtype == torch.bfloat16 and torch.cuda.get_device_capability(rows.device) >= (8, 0):
-        return grouped_expert_ffn_grouped_mm(rows, ends, gate_up, down, activation)
-    return grouped_expert_ffn_reference(rows, ends, gate_up, down, activation)
-
-
-def grouped_expert_ffn_reference(rows: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                                 activation: Activation) -> torch.Tensor:
-    out = torch.empty_like(rows)
-    start = 0
-    for expert, end in enumerate(ends.tolist()):
-        if end > start:
-            out[start:end] = F.linear(activation(F.linear(rows[start:end], gate_up[expert])), down[expert])
-            start = end
-    return out
-
-
-def grouped_expert_ffn_grouped_mm(rows: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                                  activation: Activation) -> torch.Tensor:
-    # grouped_mm multiplies by [E, K, N]: the transposed views of the [E, N, K] linear weights.
-    hidden = activation(F.grouped_mm(rows, gate_up.transpose(1, 2), offs=ends))
-    return F.grouped_mm(hidden, down.transpose(1, 2), offs=ends)
+# grouped_expert_ffn and its grouped_mm path are re-exported: the tests take them from here.
+from dflash_serve.kernels.moe import (  # noqa: F401
+    Activation,
+    grouped_expert_ffn,
+    grouped_expert_ffn_grouped_mm,
+    moe_experts,
+    moe_route,
+)
 
 
 @dataclass
@@ -79,27 +59,7 @@ class StackedExperts:
 
     def __call__(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], each token's k experts [T, k] and their weights [T, k] -> [T, H]."""
-        tokens, k = expert_ids.shape
-        # Stable: an expert's rows keep token order. All on the device, without a host sync.
-        sorted_ids, by_expert = torch.sort(expert_ids.reshape(-1), stable=True)
-        expert_after = torch.arange(1, self.num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
-        ends = torch.searchsorted(sorted_ids, expert_after).to(torch.int32)
-        sorted_out = grouped_expert_ffn(x[by_expert // k], ends, self.gate_up, self.down, self.activation)
-        out = torch.empty_like(sorted_out)
-        out[by_expert] = sorted_out
-        # Weighted in the weights' dtype (Gemma-4's are float32), cast to the model's before the
-        # sum, as transformers' experts do.
-        weighted = (out * weights.reshape(-1, 1)).to(x.dtype)
-        return weighted.view(tokens, k, -1).sum(dim=1)
-
-
-def _top_k(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 weights [T, k], expert ids [T, k]): the top k of the float32 softmax."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+        return moe_experts(x, expert_ids, weights, self.gate_up, self.down, self.activation)
 
 
 @dataclass
@@ -120,8 +80,8 @@ class Qwen3MoeBlock:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, dense: torch.Tensor | None) -> torch.Tensor:
         """x: the MLP's normed input [T, H] (the residual stream and a dense output it has none of)."""
         logits = F.linear(x, self.router)
-        weights, ids = _top_k(logits, self.top_k, self.renormalize)
-        return self.experts(x, ids, weights.to(logits.dtype))
+        weights, ids = moe_route(logits, self.top_k, self.renormalize, weights_dtype=logits.dtype)
+        return self.experts(x, ids, weights)
 
 
 @dataclass
@@ -159,8 +119,7 @@ class Gemma4MoeBlock:
         """(float32 weights [T, k], expert ids [T, k]), each weight times its expert's scale."""
         normed = rms_norm(residual, self.unit_norm, self.eps, scale_in_float32=True)
         logits = F.linear(normed * self.router_scale * self.root_size, self.router_proj)
-        weights, ids = _top_k(logits, self.top_k, renormalize=True)
-        return weights * self.per_expert_scale[ids], ids
+        return moe_route(logits, self.top_k, renormalize=True, scale=self.per_expert_scale)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, dense: torch.Tensor | None) -> torch.Tensor:
         """dense: the dense MLP's output on x; residual: the stream x was normed from [T, H]."""
