@@ -35,6 +35,7 @@ from dflash_serve.kernels.moe import (
     moe_route_reference,
     moe_route_triton,
 )
+from dflash_serve.services.bench.skinny_linear import graph_time_us
 
 SHAPES = {  # experts, hidden, intermediate, top k, activation, Gemma-4 (float32 weights, per-expert scale)
     "Gemma-4-26B-A4B": dict(experts=128, hidden=2816, width=704, top_k=8, activation=gelu_tanh_mul, gemma=True),
@@ -44,29 +45,6 @@ LAYERS = 4
 BANDWIDTH = 4.2e12  # bytes/s an H200 streams in practice
 SEARCH = [LaunchSettings(*s) for s in itertools.product((16, 32, 64), (128, 256), (16, 32), (128, 256), (4,), (3, 4))]
 SEARCH_MAX_TOKENS = 16
-
-
-def graph_time_us(calls) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    times = []
-    for _ in range(15):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return sorted(times)[len(times) // 2]
 
 
 class Layer:

@@ -19,7 +19,7 @@ from dflash_serve.services.engine.loader import build_engine
 from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.verifier.output_stream import OutputListener, StreamLost
 from dflash_serve.services.verifier.verifier import Verifier
-from tests.engine.test_tensor_parallel import _engine_config, _forward, _save_pair, _tokens
+from tests.engine.test_tensor_parallel import _engine_config, _save_pair, _tokens, assert_two_ranks_compute_what_one_does
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
@@ -36,18 +36,7 @@ def test_two_gpus_compute_what_one_does(family, tmp_path):
     two = build_engine(_cuda(_engine_config(target, drafter, 2)))
     try:
         assert two.graphs is None and one.graphs is not None
-        tables, prompts = [[0, 1, 2, 3], [4, 5, 6, 7]], [_tokens(11, 1), _tokens(6, 2)]
-        if family == "gemma4":  # window slots for the blocks, as the allocator would give them
-            for engine in (one, two):
-                engine.runner.pool.window_map[:8] = torch.arange(8, dtype=torch.int32)
-        for starts, tokens in (([0, 0], prompts), ([11, 6], [[7], [9]])):
-            (logits_1, features_1), (logits_2, features_2) = (_forward(e, tables, starts, tokens) for e in (one, two))
-            torch.testing.assert_close(logits_2, logits_1, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(features_2, features_1, rtol=1e-4, atol=1e-4 * features_1.abs().max().item())
-        prompts = [_tokens(9, 3), _tokens(14, 4), _tokens(5, 5)]
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        expected = [seq.output_ids for seq in one.generate(prompts, params)]
-        assert [seq.output_ids for seq in two.generate(prompts, params)] == expected
+        assert_two_ranks_compute_what_one_does(family, one, two, tolerance=1e-4)
     finally:
         two.runner.tp.close()
 
