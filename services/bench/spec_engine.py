@@ -84,7 +84,8 @@ def _zlab_drafter(hidden: int, mlp: int, layers: int, heads: int, kv_heads: int,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": 128,
         "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 131072, "vocab_size": vocab,
         "block_size": 16, "num_target_layers": target_layers,
-        "layer_types": ["sliding_attention"] * (layers - 1) + ["full_attention"] if sliding else ["full_attention"] * layers,
+        "layer_types": (["sliding_attention"] * (layers - 1) + ["full_attention"] if sliding
+                        else ["full_attention"] * layers),
         "sliding_window": 2048 if sliding else None,
         "dflash_config": {"mask_token_id": mask, "target_layer_ids": layer_ids},
     }
@@ -134,7 +135,8 @@ def decode_step_bytes(hf: PreTrainedModel) -> int:
 
 
 def sequences_that_fit(layout: list, draft_cfg: DFlashDraftConfig, seq_len: int, budget: int, *, windowed: bool,
-                       block_size: int = 16, max_prefill_tokens: int = 2048, dtype: torch.dtype = torch.bfloat16) -> int:
+                       block_size: int = 16, max_prefill_tokens: int = 2048,
+                       dtype: torch.dtype = torch.bfloat16) -> int:
     """How many sequences of `seq_len` tokens the KV pools hold in `budget` bytes, sized as
     `assemble_engine` sizes them: each sequence's blocks (its tokens and two rounds' lookahead) in
     the target's and the drafter's pools, and `windowed`: the sliding-window layers' K/V in window

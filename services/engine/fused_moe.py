@@ -8,7 +8,7 @@ The experts' weights are stacked: gate-up [E, 2I, H] (each expert's gate rows, t
 and down [E, H, I] — views of transformers' own expert parameters, which its checkpoint loading
 already stacks in this layout, so no weight is held twice.
 
-Routing and experts are `kernels.moe`'s (`moe_route`, `moe_experts`): on a GPU, Triton routing
+Routing and experts are `dflash_serve.kernels.moe`'s (`moe_route`, `moe_experts`): on a GPU, Triton routing
 for every token and Triton experts at decode and verify sizes (a few launches, each routed expert's
 weights read once); otherwise, and for larger batches, the torch path: the T·k (token, expert)
 pairs sorted by expert, so each expert's rows are one contiguous run, which `grouped_expert_ffn`

@@ -1,4 +1,4 @@
-"""kernels.moe: the routing and experts kernels against their torch references (the fused MoE
+"""dflash_serve.kernels.moe: the routing and experts kernels against their torch references (the fused MoE
 blocks' CPU path), at small shapes: 16 experts, top-4, 1 to 20 tokens.
 
 As in test_kernels.py, the Triton tests run on CUDA when there is a GPU, else under Triton's
