@@ -193,7 +193,7 @@ def test_gpu_workers_request_their_gpus_and_land_on_gpu_nodes(rendered, values):
     assert group["maxReplicas"] == max(workers["replicas"], workers["maxReplicas"])
     resources = group["template"]["spec"]["containers"][0]["resources"]
     for kind in ("requests", "limits"):
-        assert resources[kind]["nvidia.com/gpu"] == str(workers["gpusPerPod"])
+        assert resources[kind]["nvidia.com/gpu"] == str(workers.get("gpusPerPod") or 1)  # 1: the defaults' replica
         assert resources[kind]["cpu"] == workers["resources"][kind]["cpu"]
     spec = group["template"]["spec"]
     assert spec["tolerations"] == workers["tolerations"]
@@ -419,6 +419,22 @@ def test_a_tensor_parallel_replica_needs_a_pod_with_a_gpu_per_rank(dflash, gpus_
     rendered = render(values)
     assert ServeConfig.from_dict(rendered.dflash_config).engine.tensor_parallel_size == 2
     assert rendered.app["args"]["engine"]["tensor_parallel_size"] == 2
+
+
+@pytest.mark.parametrize(("dflash", "pod_gpus"), [
+    ({}, 1),
+    ({"verifier_num_gpus": 0.5}, 1),
+    ({"drafter_placement": "own_gpu"}, 2),
+    ({"drafter_placement": "own_gpu", "verifier_num_gpus": 0.5}, 2),
+    ({"engine": {"tensor_parallel_size": 2}}, 2),
+    ({"engine": {"tensor_parallel_size": 4}, "drafter_placement": "own_gpu"}, 5),
+])
+def test_unset_gpus_per_pod_is_one_verifier_replicas_gpus(dflash, pod_gpus):
+    """gpuWorkers.gpusPerPod left unset: each pod holds one verifier replica, its tensor-parallel
+    ranks and its own-GPU drafter, sized from the replica's settings."""
+    rendered = render({"dflash": dflash})
+    resources = rendered.worker_group["template"]["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == str(pod_gpus)
 
 
 def test_shared_placement_needs_no_second_gpu():

@@ -134,8 +134,9 @@ def test_the_app_builds_from_the_rendered_config_and_fits_the_gpu_workers(render
     replica_gpus = sum(b.get("GPU", b.get("num_gpus", 0)) for b in bundles)
     replica_cpus = sum(b.get("CPU", b.get("num_cpus", 0)) for b in bundles)
     workers = chart_values(values)["gpuWorkers"]
-    assert 0 < replica_gpus <= workers["gpusPerPod"], "a verifier replica and its drafter share one pod"
-    per_pod = min(math.floor(workers["gpusPerPod"] / replica_gpus),
+    pod_gpus = int(rendered.worker_group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+    assert 0 < replica_gpus <= pod_gpus, "a verifier replica and its drafter share one pod"
+    per_pod = min(math.floor(pod_gpus / replica_gpus),
                   math.floor(cpus(workers["resources"]["limits"]["cpu"]) / replica_cpus))
     autoscaling = verifier._deployment_config.autoscaling_config
     low, high = ((autoscaling.min_replicas, autoscaling.max_replicas) if autoscaling
@@ -143,7 +144,7 @@ def test_the_app_builds_from_the_rendered_config_and_fits_the_gpu_workers(render
     pods = max(workers["replicas"], workers["maxReplicas"])
     assert low <= per_pod * workers["replicas"] and high <= per_pod * pods, (
         f"{low}..{high} verifier replicas of {replica_gpus} GPU do not fit {workers['replicas']}..{pods} "
-        f"pods of {workers['gpusPerPod']} GPUs")
+        f"pods of {pod_gpus} GPUs")
 
 
 def test_replica_bounds_become_serve_autoscaling_aimed_at_a_full_batch(tmp_path, monkeypatch):
