@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("inspect", help="load a z-lab-format drafter, describe it, check it against a target")
@@ -40,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"layers           {kinds}" + (f" (window {cfg.sliding_window})" if cfg.sliding_window else ""))
     print(f"rope             {cfg.rope.rope_type}, theta {cfg.rope.theta:g}")
     if args.target:
+        import torch
+
         try:
             target = TargetModel.from_pretrained(args.target, cfg.target_layer_ids, dtype=torch.float32,
                                                  revision=args.target_revision)

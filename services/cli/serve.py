@@ -11,8 +11,6 @@ import sys
 import threading
 import time
 
-import torch
-
 from dflash_serve.services.cli.flags import (
     add_config_flags,
     add_engine_flags,
@@ -57,7 +55,12 @@ def _local_gpus(config: ServeConfig) -> int:
     """The GPUs `dflash serve` lends Ray on this machine: one verifier replica's, with its
     drafter's own (drafter_placement own_gpu)."""
     wanted = math.ceil(config.gpus_per_verifier + config.gpus_per_drafter)
-    have = torch.cuda.device_count() if wanted else 0
+    if wanted:
+        import torch
+
+        have = torch.cuda.device_count()
+    else:
+        have = 0
     if wanted > have:
         own = " plus 1 for its drafter (drafter_placement=own_gpu)" if config.gpus_per_drafter else ""
         ranks = config.engine.tensor_parallel_size

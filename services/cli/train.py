@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
+from dflash_serve.services.cli.flags import auto_device
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -58,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--eval-max-tokens", type=int, help="default 256")
     parser.add_argument("--resume", action="store_true", help="continue the run in --output (its saved settings win)")
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=auto_device())
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"],
                         help="auto (default): bf16 autocast on GPU, float32 on CPU")
     parser.set_defaults(run=run)

@@ -1,21 +1,22 @@
-"""DFlash draft model, target adapter (feature capture) and checkpoint I/O."""
+"""DFlash draft model, target adapter (feature capture) and checkpoint I/O.
 
-from dflash_serve.services.models.checkpoint import CheckpointError, load_drafter, save_drafter
-from dflash_serve.services.models.draft import DFlashDraftModel, DraftAttentionContext, DraftContext
-from dflash_serve.services.models.draft_config import DFlashDraftConfig, DraftConfigError, default_target_layer_ids
-from dflash_serve.services.models.target import TargetLoadError, TargetModel, load_target_config
+Each name is imported on first use (PEP 562): the package's light modules (`default_pair`,
+`draft_config`) then load without torch and transformers, which `dflash serve`'s own process, whose
+engine runs in others, would otherwise import for 3-4 s before it starts Ray."""
 
-__all__ = [
-    "CheckpointError",
-    "DFlashDraftConfig",
-    "DFlashDraftModel",
-    "DraftConfigError",
-    "DraftAttentionContext",
-    "DraftContext",
-    "TargetLoadError",
-    "TargetModel",
-    "default_target_layer_ids",
-    "load_drafter",
-    "load_target_config",
-    "save_drafter",
-]
+import importlib
+
+_MODULE_OF = {
+    "CheckpointError": "checkpoint", "load_drafter": "checkpoint", "save_drafter": "checkpoint",
+    "DFlashDraftModel": "draft", "DraftAttentionContext": "draft", "DraftContext": "draft",
+    "DFlashDraftConfig": "draft_config", "DraftConfigError": "draft_config", "default_target_layer_ids": "draft_config",
+    "TargetLoadError": "target", "TargetModel": "target", "load_target_config": "target",
+}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

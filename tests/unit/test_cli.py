@@ -78,3 +78,16 @@ def test_serve_stops_on_sigint_and_sigterm_and_a_second_signal_forces(sig):
     run_until_stopped()
     assert time.monotonic() - start < 2.0
     assert signal.getsignal(sig) is before  # a second one during shutdown acts as it did before
+
+
+def test_the_cli_starts_without_torch_and_picks_the_device_torch_would():
+    """`dflash serve` (whose engine runs in other processes), `client` and the rest import torch
+    only when a command needs it: 1.5-2 s off every start. The device it picks without torch is
+    the one torch picks."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from dflash_serve.services.cli import build_parser; from dflash_serve.services.cli.flags "
+            "import auto_device; build_parser(); print(auto_device(), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["cuda" if torch.cuda.is_available() else "cpu", "False"]

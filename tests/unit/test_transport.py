@@ -151,7 +151,10 @@ def doomed_peer():
 
 
 def _segments() -> set[str]:
-    return {name for name in os.listdir(SHM_DIR) if name.startswith(SEGMENT_PREFIX)}
+    """This process's segments (their names carry its pid): another pytest-xdist worker's tests
+    create and unlink their own meanwhile."""
+    own = f"{SEGMENT_PREFIX}{os.getpid()}_"
+    return {name for name in os.listdir(SHM_DIR) if name.startswith(own)}
 
 
 @pytest.fixture(autouse=True)
