@@ -30,14 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dflash_serve.kernels import rms_norm
-# grouped_expert_ffn and its grouped_mm path are re-exported: the tests take them from here.
-from dflash_serve.kernels.moe import (  # noqa: F401
-    Activation,
-    grouped_expert_ffn,
-    grouped_expert_ffn_grouped_mm,
-    moe_experts,
-    moe_route,
-)
+from dflash_serve.kernels.moe import Activation, moe_experts, moe_route
 
 
 @dataclass

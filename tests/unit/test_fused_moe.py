@@ -8,13 +8,8 @@ import pytest
 import torch
 
 from dflash_serve.kernels import gelu_tanh_mul, silu_mul
-from dflash_serve.services.engine.fused_moe import (
-    Gemma4MoeBlock,
-    Qwen3MoeBlock,
-    StackedExperts,
-    grouped_expert_ffn,
-    grouped_expert_ffn_grouped_mm,
-)
+from dflash_serve.kernels.moe import grouped_expert_ffn, grouped_expert_ffn_grouped_mm
+from dflash_serve.services.engine.fused_moe import Gemma4MoeBlock, Qwen3MoeBlock, StackedExperts
 from dflash_serve.services.engine.fused_target import _gemma_norm_weight
 from tests.targets import gemma4_26b_a4b_twin, qwen3_moe_twin
 
