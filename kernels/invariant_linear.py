@@ -6,8 +6,9 @@ differ in their last bits between a decode of 1 sequence, a verify of 16 tokens 
 and greedy decoding flips at a near-tie. Here the kernel and its launch settings depend on the
 weight's shape and the dtype only: M changes the number of programs, never what one computes.
 Each output element is one program's chain of tensor-core dots over K, BLOCK_K at a time from
-k = 0, accumulated in float32 in place (`tl.dot(x, w, acc)`), with no split-K; a row's products
-do not mix with other rows', and rows past M are masked loads of zeros.
+k = 0, accumulated in float32 in place (`tl.dot(x, w, acc)`); or, for a narrow layer of long K
+(`split_k`), one such chain per fixed range of K, the float32 partials then added in range order.
+A row's products do not mix with other rows', and rows past M are masked loads of zeros.
 
 `invariant_linear_reference` is the CPU path and the test oracle: each row through its own
 F.linear of one row, so a row's result cannot depend on the others either (a CPU BLAS also picks
@@ -29,15 +30,18 @@ except ImportError:  # CPU-only installs run the reference
     triton = None
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Layers at least this wide (a merged gate-up, an LM head) take tiles of 128 weight rows; narrower
-# ones 64, so that a decode's few rows still spread over enough programs to stream the weight.
+# Layers at least this wide (a merged gate-up, an LM head) fill the GPU with column tiles alone.
 WIDE_N = 16384
+# Narrower layers with at least this much K split it, so that a decode's one row tile still runs
+# about TARGET_PROGRAMS programs (an H200 has 132 multiprocessors) to stream the weight.
+SPLIT_MIN_K = 2048
+TARGET_PROGRAMS = 128
+MAX_SPLIT_K = 8
 
 
 @dataclass(frozen=True)
 class InvariantSettings:
-    """Launch settings: chosen from the weight's shape alone, never from the number of rows.
-    Not yet tuned on a GPU (the mode's cost is still to be measured)."""
+    """Launch settings: chosen from the weight's shape alone, never from the number of rows."""
 
     block_m: int = 64  # the smallest tile that takes Hopper's warp-group MMA, for every M
     block_n: int = 64
@@ -45,10 +49,23 @@ class InvariantSettings:
     group_m: int = 8  # row tiles visited together, so a weight tile is read from L2 by all of them
     num_warps: int = 4
     num_stages: int = 3
+    # K in this many fixed ranges, each its own chain of dots into a float32 partial; the partials
+    # are then added in range order. The ranges depend on K alone, so a row's sum does not change
+    # with M (a split-K chosen by size, as cuBLAS's, would).
+    split_k: int = 1
 
     @classmethod
     def for_shape(cls, n: int, k: int) -> InvariantSettings:
-        return cls(block_n=128 if n >= WIDE_N else 64)
+        """From the H200 sweep (`bench.invariant_linear`, 2026-12-02): K steps of 128; SmolLM2-sized
+        layers in 32-row tiles of 64 columns (5 stages), larger ones in 64 × 128 tiles; narrow
+        layers of long K split K (`split_k`), which the sweep's settings lacked."""
+        if k < SPLIT_MIN_K:
+            if n >= WIDE_N:
+                return cls(block_n=128, block_k=64, num_warps=8)
+            return cls(block_m=32, block_n=64, block_k=128, num_stages=5)
+        tiles = -(-n // 128)
+        split = 1 if 2 * tiles >= TARGET_PROGRAMS else min(MAX_SPLIT_K, TARGET_PROGRAMS // tiles)
+        return cls(block_n=128, block_k=128, num_warps=4 if n >= WIDE_N else 8, split_k=split)
 
 
 class InvariantLinear:
@@ -95,27 +112,42 @@ def invariant_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     m = rows.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        grid = (triton.cdiv(m, settings.block_m) * triton.cdiv(n, settings.block_n),)
+        split = settings.split_k
+        # K steps per range, from K alone: every M splits a row's sum at the same k.
+        k_per_split = triton.cdiv(triton.cdiv(k, settings.block_k), split) * settings.block_k
+        partials = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(m, settings.block_m) * triton.cdiv(n, settings.block_n), split)
         _invariant_linear_kernel[grid](
-            rows, weight, out if bias is None else bias, out, m, n, k, rows.stride(0), weight.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=settings.block_m, BLOCK_N=settings.block_n,
-            BLOCK_K=settings.block_k, GROUP_M=settings.group_m,
+            rows, weight, out if bias is None else bias, partials, m, n, k, k_per_split, rows.stride(0),
+            weight.stride(0), HAS_BIAS=bias is not None and split == 1, SPLIT_K=split,
+            BLOCK_M=settings.block_m, BLOCK_N=settings.block_n, BLOCK_K=settings.block_k, GROUP_M=settings.group_m,
             # float32 stays float32 (no TF32 rounding of the products), as in paged attention.
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=settings.num_warps, num_stages=settings.num_stages,
         )
+        if split > 1:
+            _add_partials_kernel[(triton.cdiv(m * n, ADD_BLOCK),)](
+                partials, out if bias is None else bias, out, m * n, n, HAS_BIAS=bias is not None, SPLIT_K=split,
+                BLOCK=ADD_BLOCK,
+            )
     return out.view(*x.shape[:-1], n)
 
+
+ADD_BLOCK = 1024
 
 if triton is not None:
 
     # M changes with every batch: not specialized on, so a new row count reuses the compiled kernel.
     @triton.jit(do_not_specialize=["M", "stride_xm"])
-    def _invariant_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
-                                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    def _invariant_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
+                                 HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                 DOT_PRECISION: tl.constexpr):
+        """SPLIT_K 1: out = x @ w.T (+ bias) in the output dtype. Otherwise program (tile, s) writes
+        the float32 sum over K range s to out_ptr[s] ([SPLIT_K, M, N]), for `_add_partials_kernel`."""
         # Program -> (row tile, column tile), GROUP_M row tiles per column tile in turn.
         pid = tl.program_id(0)
+        split = tl.program_id(1)
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(N, BLOCK_N)
         per_group = GROUP_M * tiles_n
@@ -130,7 +162,8 @@ if triton is not None:
         row_offsets = rows.to(tl.int64)[:, None] * stride_xm
         col_offsets = cols.to(tl.int64)[None, :] * stride_wn  # an LM head's N * K can pass 2**31
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_begin = split * K_PER_SPLIT
+        for k0 in range(k_begin, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
             kk = k0 + ks
             x = tl.load(x_ptr + row_offsets + kk[None, :], mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
             w = tl.load(w_ptr + col_offsets + kk[:, None], mask=(cols[None, :] < N) & (kk[:, None] < K), other=0.0)
@@ -139,4 +172,20 @@ if triton is not None:
             acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         out_offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
         out_mask = (rows[:, None] < M) & (cols[None, :] < N)
-        tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        if SPLIT_K == 1:
+            tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            tl.store(out_ptr + split.to(tl.int64) * M * N + out_offsets, acc, mask=out_mask)
+
+    @triton.jit(do_not_specialize=["size"])
+    def _add_partials_kernel(partials_ptr, bias_ptr, out_ptr, size, N, HAS_BIAS: tl.constexpr,
+                             SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+        """out = ((partial 0 + partial 1) + ...) (+ bias), in float32, in range order."""
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < size
+        total = tl.load(partials_ptr + offsets, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLIT_K):
+            total += tl.load(partials_ptr + s * size + offsets, mask=mask, other=0.0)
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + offsets % N, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)

@@ -22,8 +22,10 @@ from dflash_serve.kernels.invariant_linear import InvariantLinear, InvariantSett
 from dflash_serve.kernels.skinny_linear import SkinnyLinear
 from dflash_serve.services.bench.skinny_linear import SHAPES, STREAMED_BYTES, graph_time_us
 
-SEARCH = [InvariantSettings(block_m=64, block_n=n, block_k=k, group_m=8, num_warps=w, num_stages=s)
-          for n, k, w, s in itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4, 5))]
+# block_m 16 wastes fewer rows of a decode's tile (mma.sync rather than Hopper's warp-group MMA);
+# split_k spreads a narrow layer's few column tiles over more programs.
+SEARCH = [InvariantSettings(block_m=m, block_n=n, block_k=128, group_m=8, num_warps=w, num_stages=s, split_k=split)
+          for m, n, w, s, split in itertools.product((16, 64), (64, 128), (4, 8), (3, 5), (1, 2, 4, 8))]
 
 
 def measure(n: int, k: int, rows: list[int]) -> dict:

@@ -89,11 +89,13 @@ def test_invariant_linear_reference_gives_a_row_the_same_bits_alone_and_in_batch
 
 
 @runs_triton
+@pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
-def test_invariant_linear_triton_gives_a_row_the_same_bits_alone_and_in_batches_of_1_16_512(dtype, bias):
+def test_invariant_linear_triton_gives_a_row_the_same_bits_alone_and_in_batches_of_1_16_512(dtype, bias, split_k):
+    """K in one chain, and in three ranges (the last one shorter) added in order."""
     weight, b, x = linear_case(dtype, bias=bias, device=DEVICE)
-    layer = InvariantLinear(weight, b, InvariantSettings(block_m=64, block_n=32, block_k=64))
+    layer = InvariantLinear(weight, b, InvariantSettings(block_m=64, block_n=32, block_k=32, split_k=split_k))
     assert_rows_have_the_same_bits(layer, x)
     assert relative_error(layer(x), float64_linear(x, weight, b)) < TOLERANCE[dtype]
     strided = x.t().contiguous().t()  # the same values, not contiguous along K
@@ -109,11 +111,14 @@ def test_invariant_linear_takes_the_reference_off_the_kernel_path(monkeypatch):
 
 
 def test_invariant_linear_settings_follow_the_weight_shape_only():
-    """Qwen3-8B's projections: O and down (4096 rows) and QKV (6144) take 64-row tiles, gate-up
-    and the LM head 128; the row tile and the K step are the same for all."""
-    narrow = {InvariantSettings.for_shape(n, k) for n, k in [(4096, 4096), (4096, 12288), (6144, 4096)]}
-    wide = {InvariantSettings.for_shape(n, k) for n, k in [(24576, 4096), (151936, 4096)]}
-    assert narrow == {InvariantSettings(block_n=64)} and wide == {InvariantSettings(block_n=128)}
+    """Qwen3-8B's projections: O and down (32 column tiles) split K in 4, QKV (48) in 2, gate-up and
+    the LM head not at all; SmolLM2's (K ≤ 1536) take small row tiles and no split."""
+    split = {name: InvariantSettings.for_shape(n, k).split_k
+             for name, (n, k) in {"o": (4096, 4096), "down": (4096, 12288), "qkv": (6144, 4096),
+                                  "gate_up": (24576, 4096), "lm_head": (151936, 4096)}.items()}
+    assert split == {"o": 4, "down": 4, "qkv": 2, "gate_up": 1, "lm_head": 1}
+    small = InvariantSettings.for_shape(960, 576)
+    assert (small.block_m, small.split_k) == (32, 1) and InvariantSettings.for_shape(49152, 576).split_k == 1
 
 
 # -- attention ------------------------------------------------------------------------------------
