@@ -28,12 +28,14 @@ from dflash_serve.services.engine.loader import assemble_engine, build_engine
 from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.models import TargetModel
 from dflash_serve.services.models.default_pair import DEFAULT_DRAFTER_DIR, SOURCE_FILE, target_dir
+from dflash_serve.kernels.rope_kv_write import rope_kv_write_triton
 from tests.bench_data import REAL_DATA_DIR
 from tests.unit.test_batch_invariant_kernels import (
     Sequences,
     assert_a_rows_agree_across_calls,
     assert_rows_have_the_same_bits,
 )
+from tests.unit.test_kernels import rope_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -83,6 +85,71 @@ def test_invariant_attention_gives_a_row_the_same_bits_in_decode_verify_and_pref
         return paged_attention_invariant_triton(*inputs, **options, num_splits=num_splits)
 
     assert_a_rows_agree_across_calls(attend, sequences, dict(scale=128**-0.5, causal=True, window=None), LONG_CALLS)
+
+
+@pytest.mark.parametrize("norms", ["qwen3", "gemma4"])
+def test_rope_kv_write_gives_a_token_the_same_bits_in_any_batch_at_a_real_head_shape(norms):
+    """Qwen3-8B's heads with their q/k norms (the norm's sum is the one reduction in the kernel): token
+    0's query and cached key are the same bits written alone, among 16 and among 512 tokens,
+    though from 8 tokens on the kernel takes tiles of several heads (another layout of the sum)."""
+    heads, kv_heads, head_dim = 32, 8, 128
+    case = rope_case(tokens=512, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16,
+                     dtype=torch.bfloat16, qk_norm=True)
+    qkv, positions, cos, sin, slots, k_cache, v_cache, weights = (
+        [w.cuda() for w in t] if isinstance(t, list) else t.cuda() for t in case)
+    q_norm, k_norm = (w.float() for w in weights) if norms == "gemma4" else weights
+    flat = lambda cache: cache.view(-1, kv_heads, head_dim)  # noqa: E731
+    outputs = []
+    for tokens in (1, 16, 512):
+        keys, values = k_cache.clone(), v_cache.clone()
+        q = rope_kv_write_triton(qkv[:tokens], positions[:tokens], cos, sin, slots[:tokens], keys, values,
+                                 num_heads=heads, num_kv_heads=kv_heads, q_norm_weight=q_norm, k_norm_weight=k_norm,
+                                 eps=1e-6, scale_in_float32=norms == "gemma4", v_norm=norms == "gemma4")
+        outputs.append((q[0], flat(keys)[slots[0]], flat(values)[slots[0]]))
+    for got in outputs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, outputs[0], strict=True))
+
+
+# The fused forward at Qwen3-8B's shapes (two of its layers, every layer's residual captured), over
+# the engine's 16-token pages: A's 80 tokens whole, in chunks beside other prefills and a verify
+# block, and by decode steps alone or beside another sequence's.
+QWEN3_8B_LENGTHS = {"A": 80, "B": 56, "C": 37}
+QWEN3_8B_SCHEDULES = {
+    "whole-prompt": [[("A", 80)]],
+    "chunks-beside-prefills-then-a-verify-block": [[("B", 40), ("A", 64)], [("A", 16), ("C", 30), ("B", 16)]],
+    "a-chunk-then-decode-steps-alone": [[("A", 48)]] + [[("A", 1)]] * 32,
+    "a-chunk-then-decode-steps-beside-another": [[("A", 48), ("C", 5)]] + [[("C", 1), ("A", 1)]] * 32,
+}
+
+
+def test_fused_forward_gives_a_token_the_same_bits_in_any_batch_at_qwen3_8b_shapes():
+    """Names the first schedule, position and layer whose residual differs from the whole prompt's."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_serve.services.engine.fused_target import FusedTargetRunner
+    from dflash_serve.services.engine.kv_cache import KVPool
+    from dflash_serve.services.engine.target_runner import TargetRunner
+    from tests.unit.test_deterministic_forward import logits_of_a
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(Qwen3Config(**{**QWEN3_8B, "num_hidden_layers": 2})).to(torch.bfloat16).eval()
+    target = TargetModel(model, (0, 1))
+    pool = KVPool.allocate_layers(TargetRunner.kv_layout(target), 16, 16, torch.bfloat16, "cuda")
+    runner = FusedTargetRunner(target, pool, max_positions=128, deterministic=True)
+    runs = {name: logits_of_a(runner, schedule, QWEN3_8B_LENGTHS, with_features=True, page=16)
+            for name, schedule in QWEN3_8B_SCHEDULES.items()}
+    want_logits, want_features = runs["whole-prompt"]
+    hidden = QWEN3_8B["hidden_size"]
+    for name, (logits, features) in runs.items():
+        if torch.equal(logits, want_logits) and torch.equal(features, want_features):
+            continue
+        position = next(i for i in range(logits.shape[0])
+                        if not (torch.equal(logits[i], want_logits[i]) and torch.equal(features[i], want_features[i])))
+        layers = [k for k in range(2) if not torch.equal(features[position, k * hidden:(k + 1) * hidden],
+                                                         want_features[position, k * hidden:(k + 1) * hidden])]
+        pytest.fail(f"{name}: A's token {position} differs from the whole prompt's; residual after layer(s) "
+                    f"{layers} differ{'s' if len(layers) == 1 else ''} (none: the final norm or the LM head)")
 
 
 # -- engines --------------------------------------------------------------------------------------

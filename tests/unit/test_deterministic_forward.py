@@ -56,41 +56,44 @@ def runner_for(family: str, *, deterministic: bool, dtype=torch.bfloat16, device
     return FusedTargetRunner(target, pool, max_positions=64, deterministic=deterministic)
 
 
-def allocator_for(pool: KVPool) -> BlockAllocator:
+def allocator_for(pool: KVPool, page: int = PAGE) -> BlockAllocator:
     """A fresh allocator of the pool's blocks, and of its window slots where it has them."""
     if pool.window_map is None:
-        return BlockAllocator(NUM_BLOCKS, PAGE)
-    return BlockAllocator(NUM_BLOCKS, PAGE, window=KVPool.window_of(pool.layout), num_window_slots=WINDOW_SLOTS,
+        return BlockAllocator(pool.num_blocks, page)
+    return BlockAllocator(pool.num_blocks, page, window=KVPool.window_of(pool.layout), num_window_slots=WINDOW_SLOTS,
                           window_map=pool.window_map)
 
 
-def logits_of_a(runner: FusedTargetRunner, schedule) -> torch.Tensor:
-    """A's logits at each of its positions [24, V], from the forwards of `schedule`. Each forward's
-    sequences take the blocks it writes first, and give up the window slots behind their windows after."""
+def logits_of_a(runner: FusedTargetRunner, schedule, lengths=LENGTHS, *, with_features=False, page=PAGE):
+    """A's logits at each of its positions [len(A), V], from the forwards of `schedule` (and with
+    `with_features`, A's captured features too). Each forward's sequences take the blocks it writes
+    first, and give up the window slots behind their windows after."""
     g = torch.Generator().manual_seed(0)
     device = runner.target.device
-    ids = {name: torch.randint(0, 90, (n,), generator=g).to(device) for name, n in LENGTHS.items()}
-    allocator = allocator_for(runner.pool)
-    tables = {name: [] for name in LENGTHS}
-    done = dict.fromkeys(LENGTHS, 0)
-    rows_of_a = []
+    ids = {name: torch.randint(0, 90, (n,), generator=g).to(device) for name, n in lengths.items()}
+    allocator = allocator_for(runner.pool, page)
+    tables = {name: [] for name in lengths}
+    done = dict.fromkeys(lengths, 0)
+    rows_of_a, features_of_a = [], []
     for forward in schedule:
         names = [name for name, _ in forward]
         lens = [n for _, n in forward]
         starts = [done[name] for name in names]
         for name, start, n in zip(names, starts, lens, strict=True):
             allocator.grow(tables[name], start + n)
-        batch = AttentionBatch.build([tables[name] for name in names], starts, lens, PAGE, device)
+        batch = AttentionBatch.build([tables[name] for name in names], starts, lens, page, device)
         tokens = torch.cat([ids[name][s : s + n] for name, s, n in zip(names, starts, lens, strict=True)])
         positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, lens, strict=True)])
-        logits, _ = runner.forward(tokens, positions, batch, torch.arange(tokens.shape[0], device=device))
+        logits, features = runner.forward(tokens, positions, batch, torch.arange(tokens.shape[0], device=device))
         first = sum(lens[: names.index("A")]) if "A" in names else None
         if first is not None:
             rows_of_a.append(logits[first : first + dict(forward)["A"]])
+            if with_features:
+                features_of_a.append(features[first : first + dict(forward)["A"]])
         for name, n in forward:
             done[name] += n
             allocator.leave_window(tables[name], done[name])
-    return torch.cat(rows_of_a)
+    return (torch.cat(rows_of_a), torch.cat(features_of_a)) if with_features else torch.cat(rows_of_a)
 
 
 @pytest.mark.parametrize("family", list(TARGETS))
