@@ -39,31 +39,6 @@ def _this_runs_model_cache() -> None:
 _this_runs_model_cache()
 
 
-def _row_invariant_interpreted_dot() -> None:
-    """Under TRITON_INTERPRET=1 a kernel's tl.dot is numpy's matmul, whose BLAS picks its kernel,
-    and so each dot product's order of summation, by the row count (seen on an AMD EPYC with
-    numpy 2.4's OpenBLAS: row 0 of a 512-row product differs from the same row alone), as cuBLAS
-    does; the batch-invariance tests of our kernels would then test numpy, and pass or fail with
-    the CPU. Here each output element is one float64 sum in k order, as a tensor-core tile
-    computes a row whatever the rows beside it."""
-    from triton.runtime import interpreter
-
-    matmul = interpreter.InterpreterBuilder.create_dot
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:  # float8: the interpreter's path
-            return matmul(self, a, b, d, input_precision, max_num_imprecise_acc)
-        products = a.data.astype("float64")[..., :, :, None] * b.data.astype("float64")[..., None, :, :]
-        summed = products.sum(axis=-2) + d.data
-        return interpreter.TensorHandle(summed.astype(d.data.dtype), d.dtype.scalar)
-
-    interpreter.InterpreterBuilder.create_dot = create_dot
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _row_invariant_interpreted_dot()
-
-
 def drafter_config(**overrides) -> dict:
     """A tiny z-lab-style config.json dict (Qwen3-8B-DFlash-b16 layout at toy size)."""
     cfg = {

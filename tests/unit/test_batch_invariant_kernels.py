@@ -29,6 +29,7 @@ from dflash_serve.kernels.invariant_attention import (
 )
 from dflash_serve.kernels.invariant_linear import InvariantLinear, InvariantSettings, invariant_linear_reference
 from dflash_serve.kernels.paged_attention import derive_keys, paged_attention_reference
+from tests.interpreter import use_row_invariant_dot
 from tests.unit.test_kernels import (
     DEVICE,
     ON_CUDA,
@@ -40,6 +41,8 @@ from tests.unit.test_kernels import (
     relative_error,
     runs_triton,
 )
+
+use_row_invariant_dot()
 
 invariant_attention = importlib.import_module("dflash_serve.kernels.invariant_attention")
 REFERENCE_DTYPES = [torch.float32, torch.bfloat16]

@@ -27,9 +27,12 @@ from dflash_serve.services.engine.kv_cache import AttentionBatch, BlockAllocator
 from dflash_serve.services.engine.loader import target_runner
 from dflash_serve.services.engine.target_runner import TargetRunner
 from dflash_serve.services.models import TargetModel
+from tests.interpreter import use_row_invariant_dot
 from tests.targets import gemma4_26b_a4b_twin, gemma4_31b_twin, gemma4_e4b_twin, qwen3_moe_twin, tiny_target
 from tests.unit.test_fused_target import _llama_dynamic_rope, kv_pool_for
 from tests.unit.test_kernels import DEVICE, ON_CUDA, TRITON_AVAILABLE, TRITON_RUNS_HERE, runs_triton
+
+use_row_invariant_dot()
 
 PAGE = 4
 NUM_BLOCKS = 64
