@@ -1,4 +1,4 @@
-"""A mixture-of-experts block's routing and experts at decode and verify sizes, in three launches.
+"""A mixture-of-experts block's routing and experts at decode and verify sizes, in four launches.
 
 Routing (`moe_route`): per token, the float32 softmax of the router's logits, the top k, optionally
 renormalized to sum to 1, optionally times a per-expert scale (Gemma-4). One program per token.
@@ -19,15 +19,18 @@ BLOCK_T tokens), with no host sync and a grid fixed by T:
    rows for a column tile over H; the others skip it. Each (token, slot)'s activated row lands at
    row t·k + j of a [T·k, I] buffer, and each pair records the rows its expert computes, by token
    of the chunk (-1 for none, and for every token of a pair that owns nothing).
-2. down + weighted sum over k, grid (H / BLOCK_N, token chunks): a program walks its chunk's pairs
-   and I in one flat loop that Triton can pipeline (a pair without rows loads nothing), adding
-   each expert's weighted, rounded output into its tokens' float32 sums.
+2. down, grid (H / BLOCK_N, T·k pairs): an owner streams its expert's down rows for a column tile
+   over I for every row its expert computes, and writes each (token, slot)'s weighted, rounded
+   output to row t·k + j of a [T·k, H] buffer; the others return at once.
+3. the sum over k, grid (T, H / BLOCK): each token's k rows added in slot order in float32, as
+   the torch path sums them.
 
 `MAX_PAIRS` bounds the pairs that take the Triton path; larger batches keep the grouped GEMMs.
 Measured on an H200 (`python -m dflash_serve.services.bench.moe_kernels`, BENCHMARKS): at one token
 the Triton experts take 57 µs a Gemma-4-26B-A4B layer against the torch path's 95, at four 190
-against 204, at sixteen 611 against 429: the down kernel's H / BLOCK_N programs each walk every
-pair of their chunk in turn, so its work grows with T·k while its parallelism does not.
+against 204, at sixteen 611 against 429, with a down kernel whose H / BLOCK_N programs each walked
+every pair of their chunk in turn (33 µs a layer at one token, against 7 µs of bytes); it now runs
+a program per (column tile, pair), not yet measured.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ Activation = Callable[[torch.Tensor], torch.Tensor]
 MAX_PAIRS = 32  # T·k on the Triton experts' path: 4 tokens at top-8 (the measured crossover)
 BLOCK_T = 16  # tokens per chunk: one tensor-core tile of rows
 MAX_EXPERTS = 1024  # one program holds a token's logits
+SUM_BLOCK = 512  # hidden columns a program of the sum over k adds
 # The activations the experts' kernel computes in-line (GELU-tanh or not); others take the torch path.
 KERNEL_ACTIVATIONS = {silu_mul: False, gelu_tanh_mul: True}
 
@@ -201,10 +205,13 @@ def moe_experts_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
         gate_up.stride(1), BLOCK_SLOTS=triton.next_power_of_2(top_k), GELU_TANH=gelu_tanh,
         BLOCK_N=settings.gate_up_block_n, BLOCK_K=settings.gate_up_block_k, **launch,
     )
-    _down_kernel[(triton.cdiv(hidden_size, settings.down_block_n), triton.cdiv(tokens, BLOCK_T))](
-        activated, ids, pair_rows, weights, down, out, tokens, hidden_size, width, down.stride(0), down.stride(1),
-        BLOCK_N=settings.down_block_n, BLOCK_K=settings.down_block_k,
-        K_STEPS=triton.cdiv(width, settings.down_block_k), **launch,
+    weighted = torch.empty(tokens * top_k, hidden_size, dtype=x.dtype, device=x.device)
+    _down_kernel[(triton.cdiv(hidden_size, settings.down_block_n), tokens * top_k)](
+        activated, ids, pair_rows, weights, down, weighted, hidden_size, width, down.stride(0), down.stride(1),
+        BLOCK_N=settings.down_block_n, BLOCK_K=settings.down_block_k, **launch,
+    )
+    _sum_slots_kernel[(tokens, triton.cdiv(hidden_size, SUM_BLOCK))](
+        weighted, out, hidden_size, TOP_K=top_k, BLOCK=SUM_BLOCK, num_warps=4,
     )
     return out
 
@@ -300,41 +307,38 @@ if triton is not None:
                      (act * up.to(dtype).to(tl.float32)).to(dtype), mask=routed[:, None] & (cols[None, :] < width))
 
     @triton.jit
-    def _down_kernel(activated_ptr, ids_ptr, pair_rows_ptr, weights_ptr, down_ptr, out_ptr, tokens, hidden_size,
-                     width, stride_expert, stride_row, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
-        chunk = tl.program_id(1)
-        rows = chunk * BLOCK_T + tl.arange(0, BLOCK_T)
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
-        dtype = out_ptr.dtype.element_ty
-        weights_dtype = weights_ptr.dtype.element_ty
-        total = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        first = chunk * BLOCK_T * TOP_K
-        num_pairs = tl.minimum(tokens - chunk * BLOCK_T, BLOCK_T) * TOP_K
-        # One flat loop over (pair, K step), so that Triton pipelines the loads across experts;
-        # a pair that does not own its expert has no rows and loads nothing.
-        for step in range(0, num_pairs * K_STEPS):
-            pair = first + step // K_STEPS
-            k0 = (step % K_STEPS) * BLOCK_K
-            expert = tl.load(ids_ptr + pair)
-            pair_rows = tl.load(pair_rows_ptr + pair * BLOCK_T + tl.arange(0, BLOCK_T))
+    def _down_kernel(activated_ptr, ids_ptr, pair_rows_ptr, weights_ptr, down_ptr, weighted_ptr, hidden_size, width,
+                     stride_expert, stride_row, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        pair = tl.program_id(1)
+        pair_rows = tl.load(pair_rows_ptr + pair * BLOCK_T + tl.arange(0, BLOCK_T))  # -1: none (or not the owner)
+        if tl.max(pair_rows, 0) >= 0:
             routed = pair_rows >= 0
-            in_cols = tl.where(tl.max(pair_rows, 0) >= 0, cols < hidden_size, False)
-            kk = k0 + ks
-            a = tl.load(activated_ptr + pair_rows.to(tl.int64)[:, None] * width + kk[None, :],
-                        mask=routed[:, None] & (kk[None, :] < width), other=0.0)
-            w = tl.load(down_ptr + expert * stride_expert + cols[None, :] * stride_row + kk[:, None],
-                        mask=in_cols[None, :] & (kk[:, None] < width), other=0.0)
-            acc += tl.dot(a, w, input_precision=DOT_PRECISION)
+            expert = tl.load(ids_ptr + pair)
+            cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            ks = tl.arange(0, BLOCK_K)
+            acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, width, BLOCK_K):
+                kk = k0 + ks
+                a = tl.load(activated_ptr + pair_rows.to(tl.int64)[:, None] * width + kk[None, :],
+                            mask=routed[:, None] & (kk[None, :] < width), other=0.0)
+                w = tl.load(down_ptr + expert * stride_expert + cols[None, :] * stride_row + kk[:, None],
+                            mask=(cols[None, :] < hidden_size) & (kk[:, None] < width), other=0.0)
+                acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
             # The expert's output rounded to the dtype (grouped_mm's), times the token's weight
             # rounded to the weights' dtype, cast to the model's: the torch path's rounding points.
+            dtype = weighted_ptr.dtype.element_ty
             weight = tl.load(weights_ptr + pair_rows, mask=routed, other=0.0).to(tl.float32)
-            weighted = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(weights_dtype).to(dtype)
-            done = step % K_STEPS == K_STEPS - 1
-            total += tl.where(done & routed[:, None], weighted.to(tl.float32), 0.0)
-            acc = tl.where(done, 0.0, acc)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * hidden_size + cols[None, :], total.to(dtype),
-                 mask=(rows[:, None] < tokens) & (cols[None, :] < hidden_size))
+            out = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(weights_ptr.dtype.element_ty).to(dtype)
+            tl.store(weighted_ptr + pair_rows.to(tl.int64)[:, None] * hidden_size + cols[None, :], out,
+                     mask=routed[:, None] & (cols[None, :] < hidden_size))
+
+    @triton.jit
+    def _sum_slots_kernel(weighted_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden_size
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for slot in tl.static_range(TOP_K):
+            total += tl.load(weighted_ptr + (token * TOP_K + slot) * hidden_size + cols, mask=mask, other=0.0)
+        tl.store(out_ptr + token * hidden_size + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
