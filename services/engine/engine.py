@@ -47,7 +47,8 @@ from dflash_serve.services.engine.kv_cache import BlockAllocator
 from dflash_serve.services.engine.prefill import Prefilling
 from dflash_serve.services.engine.prefill_graphs import PrefillGraphs
 from dflash_serve.services.engine.request import RequestOutput, Sequence, SequenceStatus
-from dflash_serve.services.engine.round import Round, RoundRecord, Rounds, StepTimings
+from dflash_serve.services.engine.round import Round, Rounds, StepTimings
+from dflash_serve.services.engine.round_record import RoundRecord
 from dflash_serve.services.engine.round_cost_cache import RoundCostCache
 from dflash_serve.services.engine.round_costs import COST_CONTEXT, load_or_measure
 from dflash_serve.services.engine.sampling import SamplingParams, resolve_seed

@@ -35,6 +35,7 @@ from dflash_serve.services.engine.draft_runner import Proposer, ProposerLost
 from dflash_serve.services.engine.kv_cache import AttentionBatch
 from dflash_serve.services.engine.prefill import FirstTokens
 from dflash_serve.services.engine.request import Sequence, SequenceStatus
+from dflash_serve.services.engine.round_record import RoundRecord
 from dflash_serve.services.engine.sampling import SamplingBatch, sample_tokens
 from dflash_serve.services.engine.transfer import to_device
 
@@ -161,21 +162,6 @@ class _RoundInputs:
     bucket: GraphBucket | None = None
     batch: AttentionBatch | None = None  # eager: the verify's
     draft_batch: AttentionBatch | None = None  # eager: the whole block's, for the draft
-
-
-@dataclass
-class RoundRecord:
-    """One speculative round, for the server's metrics: the k it verified (0: an AR step), draft
-    tokens verified per sequence (k, or less for a request that limits it; 0 when decoding
-    target-only), accepted drafts per sequence that the round committed (fewer than accepted
-    where a stop token or max_tokens ended the request inside the round), and the draft and
-    verify phase times."""
-
-    k: int
-    draft_tokens: list[int]
-    accepted: list[int]
-    draft_seconds: float
-    verify_seconds: float
 
 
 class Rounds:

@@ -14,13 +14,10 @@ import logging
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from dflash_serve.services.engine.round_record import RoundRecord
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.metrics import FINISHED_REASONS
-
-if TYPE_CHECKING:  # the replica's process imports no torch before its engine's process has started
-    from dflash_serve.services.engine.round import RoundRecord
 
 log = logging.getLogger(__name__)
 RECORD_PERIOD_S = 0.1  # Ray exports every few seconds: a tenth of a second late is never seen

@@ -1,6 +1,8 @@
 """The metric definitions: what Ray's metric layer accepts and what a scrape shows."""
 
 import pickle
+import subprocess
+import sys
 
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.metrics import FINISHED_REASONS, SPECS, TAG_KEYS, exported_names, vllm_series
@@ -76,7 +78,7 @@ def test_spec_decode_counters_count_verified_drafts_and_the_chosen_k():
     """A round that verified k=3 of the drafts, for a request that limits them to 2 and one that
     opted out: draft and acceptance counters see only what each request verified; k is observed
     once per round, an AR round's 0 too while a drafter serves."""
-    from dflash_serve.services.engine.round import RoundRecord
+    from dflash_serve.services.engine.round_record import RoundRecord
 
     events, metrics, recorded = _engine_metrics()
     events.rounds([RoundRecord(3, [3, 2, 0], [3, 1, 0], 0.01, 0.02), RoundRecord(0, [0, 0], [0, 0], 0.0, 0.01)],
@@ -135,3 +137,27 @@ def test_engine_metrics_sum_counters_over_a_period_and_observe_every_token():
     threaded.add(events.take())
     threaded.close()
     assert recorded.counts[("dflash_drafter_restarts", ())] == 1
+
+
+def test_the_replica_reads_every_metric_event_without_importing_torch():
+    """The engine's process sends its metric events to the verifier replica's, which must not import
+    torch to read them: a round's record once lived beside the round's torch code, and the replica
+    imported torch, Triton and the kernels on its first metrics reply, in the thread that also
+    ends its requests' calls, while its first requests ran."""
+    from dflash_serve.services.engine.round_record import RoundRecord
+    from dflash_serve.services.verifier.engine_metrics import MetricEvents, RequestTimings
+
+    events = MetricEvents()
+    events.rounds([RoundRecord(3, [3], [2], 0.01, 0.02)], speculative=True)
+    events.token_gaps([(0.01, 2)])
+    events.count("dflash_num_preemptions", 1)
+    events.request_finished(FinishReason.LENGTH, RequestTimings(5, 8, 0.5, 0.01, 0.02, 0.004))
+    events.phase_seconds("transport", [0.001])
+    events.gauges({"dflash_num_requests_running": 1.0})
+    read = ("import pickle, sys\n"
+            "from dflash_serve.services.verifier.engine_metrics import EngineMetrics\n"
+            "events = pickle.loads(sys.stdin.buffer.read())\n"
+            "assert len(events) == 6 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]")
+    child = subprocess.run([sys.executable, "-c", read], input=pickle.dumps(events.take()), capture_output=True,
+                           timeout=120)
+    assert child.returncode == 0, child.stderr.decode()[-2000:]
