@@ -17,6 +17,9 @@ for a CPU):
 
 Goals (issue 67): served colocated >= 0.9 x embedded in every cell, served split >= 0.85 x
 embedded (colocated), TTFT added by serving <= 2 ms at c 1.
+
+`--profile-concurrency C` also samples the server's processes with py-spy while each topology's
+gRPC run is at c = C (`services/bench/py_spy.py`): where the served path's time goes.
 """
 
 from __future__ import annotations
@@ -134,14 +137,22 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "dflash_serve.services.cli", *args]
 
 
-def bench(case: Case, out: Path, temperature: float, backend: list[str], log) -> dict:
-    """One `dflash bench` over the case's sets and loads; its results.json."""
+def bench(case: Case, out: Path, temperature: float, backend: list[str], log, profile=None) -> dict:
+    """One `dflash bench` over the case's sets and loads; its results.json. `profile(log_offset)`,
+    if given, starts a `LoadProfiler` over the bench's log from that offset."""
     command = cli("bench", *backend, *case.bench_flags, "--dataset", case.datasets, "--concurrency", case.concurrency,
                   "--num-prompts", str(case.num_prompts), "--max-tokens", str(case.max_tokens),
                   "--temperature", str(temperature), "--out", str(out))
     print("$ " + " ".join(command[2:]), file=log, flush=True)
-    if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
-        raise RuntimeError(f"dflash bench failed ({' '.join(command[2:])}); its output is in {log.name}")
+    profiler = None if profile is None else profile(log.tell())
+    try:
+        if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
+            raise RuntimeError(f"dflash bench failed ({' '.join(command[2:])}); its output is in {log.name}")
+    finally:
+        if profiler is not None:
+            profiler.finish()
+            if profiler.summary:
+                print(profiler.summary, flush=True)
     return json.loads((out / "results.json").read_text())
 
 
@@ -197,7 +208,14 @@ def run_case(case: Case, out: Path, args: argparse.Namespace, log, results: list
         try:
             for t in case.temperatures:
                 grpc = ["--backend", "grpc", "--address", f"127.0.0.1:{args.grpc_port}"]
-                record(topology, "grpc", t, bench(case, out / f"{topology}-grpc-t{t:g}", t, grpc, log))
+                profile = None
+                if args.profile_concurrency and t == case.temperatures[0]:  # once per topology, over gRPC
+                    from dflash_serve.services.bench.py_spy import LoadProfiler
+
+                    def profile(offset, topology=topology):
+                        return LoadProfiler(server.process.pid, Path(log.name), offset, args.profile_concurrency,
+                                            args.profile_seconds, out / f"profile-{topology}")
+                record(topology, "grpc", t, bench(case, out / f"{topology}-grpc-t{t:g}", t, grpc, log, profile))
                 openai = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{args.http_port}",
                           "--endpoint", "/v1/chat/completions" if case.chat else "/v1/completions"]
                 if not case.chat:  # random token prompts: the tokenizer tells the bench the vocabulary
@@ -250,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-embedded", dest="embedded", action="store_false",
                         help="keep the embedded rows of an earlier run in --out instead of running them again")
     parser.add_argument("--out", default="serving-path", help="folder for every run's report and serving_path.json/.md")
+    parser.add_argument("--profile-concurrency", type=int,
+                        help="py-spy the server's processes once per topology while its gRPC run is at this "
+                             "concurrency (py-spy on PATH); raw stacks and a summary in OUT/CASE/profile-TOPOLOGY")
+    parser.add_argument("--profile-seconds", type=float, default=8.0)
     args = parser.parse_args(argv)
     args.topologies = args.topologies.split(",")
     if not set(args.topologies) <= {"colocated", "split"}:

@@ -23,3 +23,28 @@ def test_the_tiny_target_case_runs_embedded_and_served_over_both_protocols(tmp_p
     table = (tmp_path / "serving_path.md").read_text()
     assert capsys.readouterr().out.endswith(table)  # the table printed is the one written
     assert "| qwen3-8b-target | random | 0 | 1 |" in table and "colocated grpc" in table and "colocated openai" in table
+
+
+def test_a_profile_summary_counts_each_function_once_per_sample(tmp_path):
+    """py-spy's raw output: one collapsed stack and its sample count a line; a recursive frame is one
+    function that the sample passes through, not two."""
+    from dflash_serve.services.bench.py_spy import top_functions
+
+    raw = tmp_path / "router.txt"
+    raw.write_text("thread (1);main (a.py:1);loop (a.py:5);step (b.py:9) 6\n"
+                   "thread (1);main (a.py:1);loop (a.py:5);loop (a.py:5);send (c.py:2) 3\n"
+                   "thread (2);run (t.py:1) 1\n")
+    samples, top = top_functions(raw, count=3)
+    assert samples == 10
+    assert top == [("loop (a.py:5)", 0.9), ("main (a.py:1)", 0.9), ("thread (1)", 0.9)]
+    assert dict(top_functions(raw, count=10)[1])["send (c.py:2)"] == 0.3
+
+
+def test_profiling_without_py_spy_says_what_to_install(monkeypatch):
+    import pytest
+
+    from dflash_serve.services.bench import py_spy
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(RuntimeError, match="pip install py-spy"):
+        py_spy.py_spy()
