@@ -86,19 +86,21 @@ class LoadProfiler:
         time.sleep(1.0)  # past the first requests' admission
         self.out.mkdir(parents=True, exist_ok=True)
         processes = server_processes(self.server_pid)
+        if not processes:
+            self.summary = f"py-spy: no Serve process found under the server's pid {self.server_pid}\n"
+            return
         recorders = {role: subprocess.Popen(
             [self._tool, "record", "--nonblocking", "--threads", "--rate", str(RATE_HZ), "--duration",
              str(int(self.seconds)), "--format", "raw", "--output", str(self.out / f"{role}.txt"), "--pid", str(pid)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) for role, pid in processes.items()}
-        for recorder in recorders.values():
-            recorder.wait()
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for role, pid in processes.items()}
+        said = {role: recorder.communicate()[0].strip() for role, recorder in recorders.items()}
         lines = [f"py-spy, {self.seconds:g} s at{self.marker.rstrip(':')}, {RATE_HZ} Hz: per process, its samples of "
                  f"running Python (100 % = one core) and the functions most of them pass through"]
         for role in recorders:
             raw = self.out / f"{role}.txt"
             samples, top = top_functions(raw) if raw.exists() else (0, [])
             lines.append(f"\n{role} (pid {processes[role]}): {samples / (self.seconds * RATE_HZ):.0%} of a core")
-            lines += [f"  {share:6.1%}  {frame}" for frame, share in top]
+            lines += [f"  {share:6.1%}  {frame}" for frame, share in top] or [f"  no samples; py-spy said: {said[role]}"]
         self.summary = "\n".join(lines) + "\n"
         (self.out / "summary.txt").write_text(self.summary)
 

@@ -289,6 +289,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown case(s) {unknown}; choose from {', '.join(known)}")
     if "default" in names and args.size == "real" and not args.data_dir:
         parser.error("the default case reads its prompt sets from --data-dir")
+    if args.profile_concurrency is not None:
+        missing = [n for n in names if str(args.profile_concurrency) not in known[n].concurrency.split(",")]
+        if missing:
+            parser.error(f"--profile-concurrency {args.profile_concurrency} is not a load of case(s) {missing} "
+                         f"(theirs: {', '.join(known[n].concurrency for n in missing)})")
+        from dflash_serve.services.bench.py_spy import py_spy
+
+        try:
+            py_spy()
+        except RuntimeError as err:
+            parser.error(str(err))
     if args.size == "tiny" or set(names) - {"default"}:
         write_models(models, args.size, device)
     out.mkdir(parents=True, exist_ok=True)

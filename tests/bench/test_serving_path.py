@@ -48,3 +48,13 @@ def test_profiling_without_py_spy_says_what_to_install(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(RuntimeError, match="pip install py-spy"):
         py_spy.py_spy()
+
+
+def test_a_profile_at_a_load_the_case_never_runs_is_refused_before_anything_starts(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        serving_path.main(["--case", "qwen3-8b-target", "--size", "tiny", "--device", "cpu", "--out", str(tmp_path),
+                           "--profile-concurrency", "32"])
+    assert "--profile-concurrency 32 is not a load of case(s) ['qwen3-8b-target'] (theirs: 1,2)" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # no models written, no server started
