@@ -26,11 +26,10 @@ BLOCK_T tokens), with no host sync and a grid fixed by T:
    the torch path sums them.
 
 `MAX_PAIRS` bounds the pairs that take the Triton path; larger batches keep the grouped GEMMs.
-Measured on an H200 (`python -m dflash_serve.services.bench.moe_kernels`, BENCHMARKS): at one token
-the Triton experts take 57 µs a Gemma-4-26B-A4B layer against the torch path's 95, at four 190
-against 204, at sixteen 611 against 429, with a down kernel whose H / BLOCK_N programs each walked
-every pair of their chunk in turn (33 µs a layer at one token, against 7 µs of bytes); it now runs
-a program per (column tile, pair), not yet measured.
+Measured on an H200 (`python -m dflash_serve.services.bench.moe_kernels`, BENCHMARKS; µs a
+Gemma-4-26B-A4B layer, routing and experts, Triton against torch): 46 against 114 at one token, 130
+against 225 at four, 329 against 451 at sixteen, 576 against 578 at thirty-two, and 3× slower at
+128, where each expert's rows are many and the grouped GEMMs' tiles fill (Qwen3-30B-A3B alike).
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ except ImportError:  # CPU-only installs run the reference
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
-MAX_PAIRS = 32  # T·k on the Triton experts' path: 4 tokens at top-8 (the measured crossover)
+MAX_PAIRS = 128  # T·k on the Triton experts' path: 16 tokens at top-8 (a batch-1 verify); 32 tie
 BLOCK_T = 16  # tokens per chunk: one tensor-core tile of rows
 MAX_EXPERTS = 1024  # one program holds a token's logits
 SUM_BLOCK = 512  # hidden columns a program of the sum over k adds
@@ -197,9 +196,11 @@ def moe_experts_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     activated = torch.empty(tokens * top_k, width, dtype=x.dtype, device=x.device)
     pair_rows = torch.empty(tokens * top_k, BLOCK_T, dtype=torch.int32, device=x.device)
     out = torch.empty(tokens, hidden_size, dtype=x.dtype, device=x.device)
-    # float32 stays float32: Triton's default for a float32 dot is TF32 (10-bit mantissas).
+    # float32 stays float32: Triton's default for a float32 dot is TF32 (10-bit mantissas). Its
+    # tiles take twice the shared memory: half the stages (4 passed an H200's 227 KiB).
     launch = dict(TOP_K=top_k, BLOCK_T=BLOCK_T, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                  num_warps=settings.num_warps, num_stages=settings.num_stages)
+                  num_warps=settings.num_warps,
+                  num_stages=settings.num_stages if x.element_size() <= 2 else max(1, settings.num_stages // 2))
     _gate_up_kernel[(tokens * top_k, triton.cdiv(width, settings.gate_up_block_n))](
         x, ids, gate_up, activated, pair_rows, tokens, hidden_size, width, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), BLOCK_SLOTS=triton.next_power_of_2(top_k), GELU_TANH=gelu_tanh,
