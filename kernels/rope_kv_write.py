@@ -30,7 +30,7 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def rope_kv_write(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, *, num_heads, num_kv_heads,
                   q_norm_weight=None, k_norm_weight=None, eps=0.0, scale_in_float32=False,
-                  v_norm=False, values_from_keys=False) -> torch.Tensor:
+                  v_norm=False, values_from_keys=False, batch_invariant=False) -> torch.Tensor:
     """qkv [T, (H + 2·KV)·D] (q heads, then k, then v) -> the rotated queries [T, H, D]; the rotated
     keys and the values go to flat slots `slot_mapping` [T] of one layer's k_cache / v_cache
     [num_blocks, block_size, KV, D]. cos, sin: [max_positions, D/2] in qkv's dtype (a rotate-half
@@ -42,14 +42,15 @@ def rope_kv_write(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, *, n
     the key projection's raw heads (normed as values, not rotated); with k_cache None only they are
     written (the attention derives each key from its value: `paged_attention(keys_from_values=…)`).
     k_cache and v_cache None: qkv holds queries only (a layer reading an earlier layer's K/V) and
-    nothing is written."""
+    nothing is written. `batch_invariant` (`engine.deterministic`): a token's outputs have the same
+    bits whatever the number of tokens (the q/k norms' sums are laid out alike in every call)."""
     args = (qkv, positions, cos, sin, slot_mapping, k_cache, v_cache)
     kwargs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, q_norm_weight=q_norm_weight,
                   k_norm_weight=k_norm_weight, eps=eps, scale_in_float32=scale_in_float32, v_norm=v_norm,
                   values_from_keys=values_from_keys)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if triton is not None and qkv.dtype in TRITON_DTYPES and (qkv.is_cuda or interpret):
-        return rope_kv_write_triton(*args, **kwargs)
+        return rope_kv_write_triton(*args, **kwargs, batch_invariant=batch_invariant)
     return rope_kv_write_reference(*args, **kwargs)
 
 
@@ -100,9 +101,11 @@ FEW_TOKENS = 8  # below this, a program per head
 
 def rope_kv_write_triton(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, *, num_heads, num_kv_heads,
                          q_norm_weight=None, k_norm_weight=None, eps=0.0, scale_in_float32=False,
-                         v_norm=False, values_from_keys=False) -> torch.Tensor:
+                         v_norm=False, values_from_keys=False, batch_invariant=False) -> torch.Tensor:
     """One program per (token, tile of HEADS_PER_PROGRAM heads) over the q, then k, then v heads
-    (the v heads read the k heads' rows when `values_from_keys`)."""
+    (the v heads read the k heads' rows when `values_from_keys`); below FEW_TOKENS a program per
+    head, unless `batch_invariant`: the tile's shape and warps set the order of a norm's sum, and
+    a token normed in another order is off by a bit now and then (q at 1 of 80 Qwen3-8B tokens)."""
     num_tokens = qkv.shape[0]
     if v_cache is None:  # queries only: no KV head is a row of the grid, the cache pointers are never stored to
         num_kv_heads = 0
@@ -123,7 +126,7 @@ def rope_kv_write_triton(qkv, positions, cos, sin, slot_mapping, k_cache, v_cach
         return q
     has_q_norm, has_k_norm = q_norm_weight is not None, k_norm_weight is not None
     total_heads = num_heads + 2 * num_kv_heads
-    block_heads = 1 if num_tokens < FEW_TOKENS else min(HEADS_PER_PROGRAM, triton.next_power_of_2(total_heads))
+    block_heads = 1 if num_tokens < FEW_TOKENS and not batch_invariant else min(HEADS_PER_PROGRAM, triton.next_power_of_2(total_heads))
     block_half = triton.next_power_of_2(head_dim // 2)
     _rope_kv_write_kernel[(num_tokens, triton.cdiv(total_heads, block_heads))](
         qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q,

@@ -413,7 +413,8 @@ class FusedStack:
                           v_cache if writes else None, num_heads=self.num_heads,
                           num_kv_heads=layer.num_kv_heads or self.num_kv_heads,
                           q_norm_weight=layer.q_norm, k_norm_weight=layer.k_norm, eps=self.eps,
-                          scale_in_float32=self.gemma, v_norm=layer.v_norm, values_from_keys=layer.values_from_keys)
+                          scale_in_float32=self.gemma, v_norm=layer.v_norm, values_from_keys=layer.values_from_keys,
+                          batch_invariant=self.batch_invariant)
         attention = paged_attention_invariant if self.batch_invariant else paged_attention
         attn = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start,
                          scale=layer.scaling, causal=layer.causal, window=layer.window,

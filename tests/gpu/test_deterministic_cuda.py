@@ -89,9 +89,10 @@ def test_invariant_attention_gives_a_row_the_same_bits_in_decode_verify_and_pref
 
 @pytest.mark.parametrize("norms", ["qwen3", "gemma4"])
 def test_rope_kv_write_gives_a_token_the_same_bits_in_any_batch_at_a_real_head_shape(norms):
-    """Qwen3-8B's heads with their q/k norms (the norm's sum is the one reduction in the kernel): token
-    0's query and cached key are the same bits written alone, among 16 and among 512 tokens,
-    though from 8 tokens on the kernel takes tiles of several heads (another layout of the sum)."""
+    """Qwen3-8B's heads with their q/k norms (the norm's sum is the one reduction in the kernel):
+    each of 64 tokens' query, cached key and value are the same bits written alone (a decode
+    step), among 16 and among 512 tokens. Without `batch_invariant` fewer than 8 tokens take a
+    program per head, another layout of the sum, and 1 in 80 tokens' queries came out a bit off."""
     heads, kv_heads, head_dim = 32, 8, 128
     case = rope_case(tokens=512, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16,
                      dtype=torch.bfloat16, qk_norm=True)
@@ -99,15 +100,23 @@ def test_rope_kv_write_gives_a_token_the_same_bits_in_any_batch_at_a_real_head_s
         [w.cuda() for w in t] if isinstance(t, list) else t.cuda() for t in case)
     q_norm, k_norm = (w.float() for w in weights) if norms == "gemma4" else weights
     flat = lambda cache: cache.view(-1, kv_heads, head_dim)  # noqa: E731
-    outputs = []
-    for tokens in (1, 16, 512):
+
+    def write(begin: int, tokens: int):
+        """The queries, keys and values of tokens [begin, begin + tokens) written by one call."""
         keys, values = k_cache.clone(), v_cache.clone()
-        q = rope_kv_write_triton(qkv[:tokens], positions[:tokens], cos, sin, slots[:tokens], keys, values,
+        part = slice(begin, begin + tokens)
+        q = rope_kv_write_triton(qkv[part], positions[part], cos, sin, slots[part], keys, values,
                                  num_heads=heads, num_kv_heads=kv_heads, q_norm_weight=q_norm, k_norm_weight=k_norm,
-                                 eps=1e-6, scale_in_float32=norms == "gemma4", v_norm=norms == "gemma4")
-        outputs.append((q[0], flat(keys)[slots[0]], flat(values)[slots[0]]))
-    for got in outputs[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(got, outputs[0], strict=True))
+                                 eps=1e-6, scale_in_float32=norms == "gemma4", v_norm=norms == "gemma4",
+                                 batch_invariant=True)
+        return q, flat(keys)[slots[part]], flat(values)[slots[part]]
+
+    alone = [write(token, 1) for token in range(64)]
+    for size in (16, 512):
+        batched = write(0, size)
+        for token in range(min(size, 64)):
+            assert all(torch.equal(a[0], b[token]) for a, b in zip(alone[token], batched, strict=True)), \
+                f"token {token} of {size}"
 
 
 # The fused forward at Qwen3-8B's shapes (two of its layers, every layer's residual captured), over
