@@ -117,12 +117,12 @@ def test_invariant_linear_takes_the_reference_off_the_kernel_path(monkeypatch):
 
 
 def test_invariant_linear_settings_follow_the_weight_shape_only():
-    """Qwen3-8B's projections: O and down (32 column tiles) split K in 4, QKV (48) in 2, gate-up and
-    the LM head not at all; SmolLM2's (K ≤ 1536) take small row tiles and no split."""
+    """Qwen3-8B's projections: O and QKV (K 4096) split K in 4, down (K 12288) in 8, gate-up and the
+    LM head (wide) not at all; SmolLM2's (K ≤ 1536) take small row tiles and no split."""
     split = {name: InvariantSettings.for_shape(n, k).split_k
              for name, (n, k) in {"o": (4096, 4096), "down": (4096, 12288), "qkv": (6144, 4096),
                                   "gate_up": (24576, 4096), "lm_head": (151936, 4096)}.items()}
-    assert split == {"o": 4, "down": 4, "qkv": 2, "gate_up": 1, "lm_head": 1}
+    assert split == {"o": 4, "down": 8, "qkv": 4, "gate_up": 1, "lm_head": 1}
     small = InvariantSettings.for_shape(960, 576)
     assert (small.block_m, small.split_k) == (32, 1) and InvariantSettings.for_shape(49152, 576).split_k == 1
 
