@@ -18,14 +18,16 @@ for a CPU):
 Goals (issue 67): served colocated >= 0.9 x embedded in every cell, served split >= 0.85 x
 embedded (colocated), TTFT added by serving <= 2 ms at c 1.
 
-`--profile-concurrency C` also samples the server's processes with py-spy while each topology's
-gRPC run is at c = C (`services/bench/py_spy.py`): where the served path's time goes.
+`--profile-concurrency C` also samples the server's processes with py-spy (`services/bench/py_spy.py`)
+under a gRPC load at c = C of its own after each topology's measured runs, long enough for the
+samples (the measured runs at c 32 last under a second on a GPU): where the served path's time goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -37,6 +39,8 @@ from pathlib import Path
 GOALS = {"colocated": 0.9, "split": 0.85}
 TTFT_ADDED_GOAL_MS = 2.0
 SERVE_START_TIMEOUT_S = 900.0
+# Seconds the profile's load runs beyond its samples: the first requests' admission, and the last ones' tail.
+PROFILE_MARGIN_S = 4.0
 
 
 @dataclass
@@ -137,12 +141,14 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "dflash_serve.services.cli", *args]
 
 
-def bench(case: Case, out: Path, temperature: float, backend: list[str], log, profile=None) -> dict:
-    """One `dflash bench` over the case's sets and loads; its results.json. `profile(log_offset)`,
-    if given, starts a `LoadProfiler` over the bench's log from that offset."""
-    command = cli("bench", *backend, *case.bench_flags, "--dataset", case.datasets, "--concurrency", case.concurrency,
-                  "--num-prompts", str(case.num_prompts), "--max-tokens", str(case.max_tokens),
-                  "--temperature", str(temperature), "--out", str(out))
+def bench(case: Case, out: Path, temperature: float, backend: list[str], log, profile=None, *,
+          concurrency: str | None = None, num_prompts: int | None = None) -> dict:
+    """One `dflash bench` over the case's sets and loads (or `concurrency` and `num_prompts`); its
+    results.json. `profile(log_offset)`, if given, starts a `LoadProfiler` over the bench's log
+    from that offset."""
+    command = cli("bench", *backend, *case.bench_flags, "--dataset", case.datasets,
+                  "--concurrency", concurrency or case.concurrency, "--num-prompts", str(num_prompts or case.num_prompts),
+                  "--max-tokens", str(case.max_tokens), "--temperature", str(temperature), "--out", str(out))
     print("$ " + " ".join(command[2:]), file=log, flush=True)
     profiler = None if profile is None else profile(log.tell())
     try:
@@ -154,6 +160,14 @@ def bench(case: Case, out: Path, temperature: float, backend: list[str], log, pr
             if profiler.summary:
                 print(profiler.summary, flush=True)
     return json.loads((out / "results.json").read_text())
+
+
+def profile_prompts(report: dict, concurrency: int, seconds: float) -> int:
+    """Prompts per set for a run at `concurrency` that lasts the profile's seconds and a margin, at
+    the pace the measured run kept there (its sets' runs last well under a second at c 32 on a GPU)."""
+    runs = [r for r in report["runs"] if r["concurrency"] == concurrency and r["completed"]]
+    seconds_per_prompt = min(r["duration"] / r["completed"] for r in runs)
+    return max(concurrency, math.ceil((seconds + PROFILE_MARGIN_S) / len(runs) / seconds_per_prompt))
 
 
 class Server:
@@ -208,14 +222,19 @@ def run_case(case: Case, out: Path, args: argparse.Namespace, log, results: list
         try:
             for t in case.temperatures:
                 grpc = ["--backend", "grpc", "--address", f"127.0.0.1:{args.grpc_port}"]
-                profile = None
+                report = bench(case, out / f"{topology}-grpc-t{t:g}", t, grpc, log)
+                record(topology, "grpc", t, report)
                 if args.profile_concurrency and t == case.temperatures[0]:  # once per topology, over gRPC
                     from dflash_serve.services.bench.py_spy import LoadProfiler
 
-                    def profile(offset, topology=topology):
-                        return LoadProfiler(server.process.pid, Path(log.name), offset, args.profile_concurrency,
-                                            args.profile_seconds, out / f"profile-{topology}")
-                record(topology, "grpc", t, bench(case, out / f"{topology}-grpc-t{t:g}", t, grpc, log, profile))
+                    c = args.profile_concurrency
+                    folder = out / f"profile-{topology}"
+
+                    def profile(offset, folder=folder, c=c):
+                        return LoadProfiler(server.process.pid, Path(log.name), offset, c, args.profile_seconds,
+                                            folder)
+                    bench(case, folder / "load", t, grpc, log, profile, concurrency=str(c),
+                          num_prompts=profile_prompts(report, c, args.profile_seconds))
                 openai = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{args.http_port}",
                           "--endpoint", "/v1/chat/completions" if case.chat else "/v1/completions"]
                 if not case.chat:  # random token prompts: the tokenizer tells the bench the vocabulary

@@ -58,3 +58,16 @@ def test_a_profile_at_a_load_the_case_never_runs_is_refused_before_anything_star
                            "--profile-concurrency", "32"])
     assert "--profile-concurrency 32 is not a load of case(s) ['qwen3-8b-target'] (theirs: 1,2)" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # no models written, no server started
+
+
+def test_the_profile_load_lasts_the_samples_and_a_margin_at_the_measured_pace():
+    """Two sets measured at c 32 (48 prompts in 0.75 and 0.9 s): the faster pace, 15.625 ms a
+    prompt, fills 8 s of samples and the 4 s margin over both sets with 384 prompts each."""
+    report = {"runs": [{"concurrency": 1, "completed": 48, "duration": 20.0},
+                       {"concurrency": 32, "completed": 48, "duration": 0.75},
+                       {"concurrency": 32, "completed": 48, "duration": 0.9}]}
+    assert serving_path.PROFILE_MARGIN_S == 4.0
+    assert serving_path.profile_prompts(report, 32, 8.0) == 384
+    assert serving_path.profile_prompts(report, 1, 8.0) == 29  # one set at 0.42 s a prompt
+    slow = {"runs": [{"concurrency": 32, "completed": 32, "duration": 60.0}]}
+    assert serving_path.profile_prompts(slow, 32, 8.0) == 32  # never fewer prompts than the concurrency
