@@ -514,7 +514,7 @@ class FusedTargetRunner:
         per_layer_inputs = None
         if self._text_model is not None:
             per_layer_inputs = self._text_model.project_per_layer_inputs(
-                embeds[None], self._text_model.get_per_layer_inputs(input_ids[None]))[0]
+                embeds[None], self._text_model.get_per_layer_inputs(input_ids[None], None))[0]
         # Every target layer carries its RoPE table: none is passed to the stack.
         x = self.stack.forward(embeds, positions, None, None, batch, keep, per_layer_inputs)
         if self.tp is None:

@@ -118,11 +118,14 @@ def unservable_reason(target: TargetModel) -> str | None:
 
 def _kv_source(target: TargetModel, index: int, layer: nn.Module) -> int | None:
     """For a Gemma-4 KV-shared layer: the last earlier layer of its type that computes K/V
-    (transformers' "store" layer), whose K/V it attends over; None for every other layer."""
+    (transformers' "store" layer), whose K/V it attends over; None for every other layer. Read
+    from the attention modules' own flags, which transformers sets from 5.17 on (the config's
+    `kv_sharing_modes` exists only from 5.24)."""
     if not getattr(layer.self_attn, "is_kv_shared_layer", False):
         return None
-    modes, types = target.config.kv_sharing_modes, target.config.layer_types
-    return next(i for i in range(index - 1, -1, -1) if modes[i] == "store" and types[i] == types[index])
+    types = target.config.layer_types
+    return next(i for i in range(index - 1, -1, -1)
+                if types[i] == types[index] and getattr(target.layers[i].self_attn, "store_full_length_kv", False))
 
 
 def _kv_geometry(target: TargetModel, index: int, attn: nn.Module) -> tuple[int, int]:
