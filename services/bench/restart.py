@@ -6,8 +6,9 @@ Starts `dflash serve` (its embedded default unless flags follow `--`) in a Ray o
 a 4-token request every --probe-s until one is answered: the time from the process's start to
 that answer. Then, --kills times, SIGKILLs the Verifier replica's process (as the kernel's OOM
 killer or a crash would) and probes again: the time from the kill to the next answer. Each start's
-timeline comes from the replica's log lines (their own timestamps: the models named, the KV cache
-allocated, graphs captured, round costs measured or loaded). Writes OUT/restart.json and the log.
+timeline comes from the replica's log lines (their own timestamps: the replica started, its engine
+process up, the engine imported and its models named, the KV cache allocated, graphs captured,
+round costs measured or loaded). Writes OUT/restart.json and the log.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ PROBE = generation_pb2.GenerateRequest(prompt="def add(a, b):",
                                        sampling=generation_pb2.SamplingParams(max_tokens=4, temperature=0.0))
 # A replica's log line as Ray prints it on the driver: (ServeReplica:dflash:Verifier pid=N) INFO 2026-12-02 01:14:46,623 ...
 LOG_LINE = re.compile(r"\(ServeReplica:dflash:Verifier pid=(\d+)\)\S* \w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \S+ -- (.*)")
-MILESTONES = {"models:": "models named (replica started)", "KV cache:": "KV cache allocated",
+MILESTONES = {"replica starting": "replica started", "engine process up": "engine process up",
+              "models:": "models named (engine imported)", "KV cache:": "KV cache allocated",
               "round graphs captured": "round graphs captured", "round costs measured": "round costs measured",
               "round costs from": "round costs loaded"}
 

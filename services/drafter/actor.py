@@ -5,12 +5,6 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-import torch
-
-from dflash_serve.services.drafter.server import DrafterServer
-from dflash_serve.services.engine.loader import resolve_dtype
-from dflash_serve.services.gc_freeze import freeze_startup_objects
-
 # Set in the actor's runtime_env: Ray then leaves CUDA_VISIBLE_DEVICES to the actor even when it
 # gives it a GPU (Ray 2.60, ray/_private/accelerators/nvidia_gpu.py), and `cuda_visibility` sets it.
 RAY_NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
@@ -37,6 +31,14 @@ class DrafterActor:
         tag (engine.drafter_revision). verifier_gpu_ids: the verifier's `ray.get_gpu_ids()` when
         `device` is cuda; this process then sees those and its own GPU, if Ray gave it one, and
         computes there (`cuda_visibility`). None: it sees what it was started with."""
+        # Imported here, not with the module: the verifier replica imports this module to spawn the
+        # actor, and torch with the drafter's code took it 3.8 s before its engine process started.
+        import torch
+
+        from dflash_serve.services.drafter.server import DrafterServer
+        from dflash_serve.services.engine.loader import resolve_dtype
+        from dflash_serve.services.gc_freeze import freeze_startup_objects
+
         if verifier_gpu_ids is not None:
             import ray
 

@@ -446,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     ours.setLevel(logging.INFO)
     ours.handlers = [_PipeLogHandler(pipe)]
     ours.propagate = False
+    ours.info("engine process up (pid %d); importing the engine", os.getpid())
     try:
         (message,) = _receive(pipe.conn)
         _, config, record_metrics = message

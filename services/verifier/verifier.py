@@ -81,6 +81,7 @@ DRAFTER_CPUS = 0.5
 
 class Verifier:
     def __init__(self, config: dict, *, drafter_actor=None, metrics=None):
+        log.info("replica starting (pid %d)", os.getpid())  # a restart's first milestone (bench.restart)
         self.config = ServeConfig.from_dict(config)
         engine_cfg = self.config.engine
         self.drafter_actor = drafter_actor
