@@ -101,20 +101,6 @@ def gemma4_drafter(*, block_size: int, seed: int, vocab_size: int = 96) -> DFlas
 SHARED_SERVER_FILES = ("tests/integration/test_openai.py", "tests/integration/test_serve.py")
 
 
-# The files that take longest on CI's 2 cores (--durations, 2026-12-02: 30-190 s each, most of them
-# starting servers or a child pytest under Triton's interpreter), sent to the workers first so that the
-# many short files fill in around them instead of leaving one worker alone at the end.
-SLOWEST_FILES = (*SHARED_SERVER_FILES, "tests/integration/test_deploy_rest.py", "tests/bench/test_serving_path.py",
-                 "tests/unit/test_kernels.py", "tests/unit/test_batch_invariant_kernels.py",
-                 "tests/engine/test_tensor_parallel.py", "tests/unit/test_deterministic_forward.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    """The SLOWEST_FILES' tests first, in that order; every other test keeps its place after them."""
-    rank = {path: i for i, path in enumerate(SLOWEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """The README's `pytest -n 2 --dist loadfile`: each file is one unit of work, so its module
