@@ -166,6 +166,9 @@ def profile_prompts(report: dict, concurrency: int, seconds: float) -> int:
     """Prompts per set for a run at `concurrency` that lasts the profile's seconds and a margin, at
     the pace the measured run kept there (its sets' runs last well under a second at c 32 on a GPU)."""
     runs = [r for r in report["runs"] if r["concurrency"] == concurrency and r["completed"]]
+    if not runs:
+        raise RuntimeError(f"no request completed at c={concurrency} in the measured run: nothing to pace the "
+                           "profile's load by (its bench report says why)")
     seconds_per_prompt = min(r["duration"] / r["completed"] for r in runs)
     return max(concurrency, math.ceil((seconds + PROFILE_MARGIN_S) / len(runs) / seconds_per_prompt))
 

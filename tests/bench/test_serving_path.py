@@ -71,3 +71,8 @@ def test_the_profile_load_lasts_the_samples_and_a_margin_at_the_measured_pace():
     assert serving_path.profile_prompts(report, 1, 8.0) == 29  # one set at 0.42 s a prompt
     slow = {"runs": [{"concurrency": 32, "completed": 32, "duration": 60.0}]}
     assert serving_path.profile_prompts(slow, 32, 8.0) == 32  # never fewer prompts than the concurrency
+    import pytest
+
+    failed = {"runs": [{"concurrency": 32, "completed": 0, "duration": 3.0}]}
+    with pytest.raises(RuntimeError, match="no request completed at c=32"):
+        serving_path.profile_prompts(failed, 32, 8.0)
