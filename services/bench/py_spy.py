@@ -52,17 +52,21 @@ def server_processes(root_pid: int) -> dict[str, int]:
     return found
 
 
-def top_functions(raw: Path, count: int = TOP_FUNCTIONS) -> tuple[int, list[tuple[str, float]]]:
-    """(samples, the functions the most samples of a raw collapsed-stack file pass through with that share)."""
-    through, total = collections.Counter(), 0
+def top_functions(raw: Path, count: int = TOP_FUNCTIONS, *, innermost: bool = False
+                  ) -> tuple[int, list[tuple[str, float]]]:
+    """(samples, the functions the most samples of a raw collapsed-stack file pass through with that
+    share); `innermost`: the function each sample was in (a thread's own frame where it ran native
+    code), which the frames every thread passes through do not crowd out."""
+    counted, total = collections.Counter(), 0
     for line in raw.read_text().splitlines():
         stack, _, samples = line.rpartition(" ")
         if not stack or not samples.isdigit():
             continue
         total += int(samples)
-        for frame in set(stack.split(";")):
-            through[frame] += int(samples)
-    ranked = sorted(through.items(), key=lambda item: (-item[1], item[0]))[:count]  # ties by name: stable output
+        frames = stack.split(";")
+        for frame in [frames[-1]] if innermost else set(frames):
+            counted[frame] += int(samples)
+    ranked = sorted(counted.items(), key=lambda item: (-item[1], item[0]))[:count]  # ties by name: stable output
     return total, [(frame, n / total) for frame, n in ranked] if total else []
 
 
@@ -95,12 +99,17 @@ class LoadProfiler:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for role, pid in processes.items()}
         said = {role: recorder.communicate()[0].strip() for role, recorder in recorders.items()}
         lines = [f"py-spy, {self.seconds:g} s at{self.marker.rstrip(':')}, {RATE_HZ} Hz: per process, its samples of "
-                 f"running Python (100 % = one core) and the functions most of them pass through"]
+                 f"running Python (100 % = one core), the functions most of them were in, and those most of them "
+                 f"pass through"]
         for role in recorders:
             raw = self.out / f"{role}.txt"
             samples, top = top_functions(raw) if raw.exists() else (0, [])
             lines.append(f"\n{role} (pid {processes[role]}): {samples / (self.seconds * RATE_HZ):.0%} of a core")
-            lines += [f"  {share:6.1%}  {frame}" for frame, share in top] or [f"  no samples; py-spy said: {said[role]}"]
+            if not top:
+                lines.append(f"  no samples; py-spy said: {said[role]}")
+                continue
+            lines += ["  in:"] + [f"  {share:6.1%}  {frame}" for frame, share in top_functions(raw, innermost=True)[1]]
+            lines += ["  through:"] + [f"  {share:6.1%}  {frame}" for frame, share in top]
         self.summary = "\n".join(lines) + "\n"
         (self.out / "summary.txt").write_text(self.summary)
 

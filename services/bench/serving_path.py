@@ -291,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep the embedded rows of an earlier run in --out instead of running them again")
     parser.add_argument("--out", default="serving-path", help="folder for every run's report and serving_path.json/.md")
     parser.add_argument("--profile-concurrency", type=int,
-                        help="py-spy the server's processes once per topology while its gRPC run is at this "
-                             "concurrency (py-spy on PATH); raw stacks and a summary in OUT/CASE/profile-TOPOLOGY")
+                        help="py-spy the server's processes once per topology under a gRPC load of its own at "
+                             "this concurrency, after the measured runs (py-spy on PATH); raw stacks and a summary "
+                             "in OUT/CASE/profile-TOPOLOGY")
     parser.add_argument("--profile-seconds", type=float, default=8.0)
     args = parser.parse_args(argv)
     args.topologies = args.topologies.split(",")

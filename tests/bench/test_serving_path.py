@@ -27,7 +27,7 @@ def test_the_tiny_target_case_runs_embedded_and_served_over_both_protocols(tmp_p
 
 def test_a_profile_summary_counts_each_function_once_per_sample(tmp_path):
     """py-spy's raw output: one collapsed stack and its sample count a line; a recursive frame is one
-    function that the sample passes through, not two."""
+    function that the sample passes through, not two; the innermost frame is where the sample was."""
     from dflash_serve.services.bench.py_spy import top_functions
 
     raw = tmp_path / "router.txt"
@@ -38,6 +38,8 @@ def test_a_profile_summary_counts_each_function_once_per_sample(tmp_path):
     assert samples == 10
     assert top == [("loop (a.py:5)", 0.9), ("main (a.py:1)", 0.9), ("thread (1)", 0.9)]
     assert dict(top_functions(raw, count=10)[1])["send (c.py:2)"] == 0.3
+    assert top_functions(raw, innermost=True) == (10, [("step (b.py:9)", 0.6), ("send (c.py:2)", 0.3),
+                                                       ("run (t.py:1)", 0.1)])
 
 
 def test_profiling_without_py_spy_says_what_to_install(monkeypatch):
