@@ -27,7 +27,7 @@ from dflash_serve.kernels.invariant_attention import (
     paged_attention_invariant_reference,
     paged_attention_invariant_triton,
 )
-from dflash_serve.kernels.invariant_linear import InvariantLinear, InvariantSettings, invariant_linear_reference
+from dflash_serve.kernels.invariant_linear import InvariantLinear, InvariantSettings, Tile, invariant_linear_reference
 from dflash_serve.kernels.paged_attention import derive_keys, paged_attention_reference
 from tests.interpreter import use_row_invariant_dot
 from tests.unit.test_kernels import (
@@ -93,15 +93,19 @@ def test_invariant_linear_reference_gives_a_row_the_same_bits_alone_and_in_batch
 
 # Every dtype with and without a bias, K in one chain and in three ranges, in two of the four pairings
 # (the interpreter takes ~5 s a case).
+# The ranges' case also gives launches of MANY_ROWS rows or more other tiles, each program walking every range.
 LINEAR_CASES = [(dtype, bias, split_k) for dtype in TRITON_DTYPES for bias, split_k in ((False, 1), (True, 3))]
 
 
 @runs_triton
 @pytest.mark.parametrize("dtype,bias,split_k", LINEAR_CASES, ids=str)
 def test_invariant_linear_triton_gives_a_row_the_same_bits_alone_and_in_batches_of_1_16_512(dtype, bias, split_k):
-    """K in one chain, and in three ranges (the last one shorter) added in order."""
+    """K in one chain, and in three ranges (the last one shorter) added in order: by programs of
+    their own and a second launch at 1 and 16 rows, by each program in turn at 512."""
     weight, b, x = linear_case(dtype, bias=bias, device=DEVICE)
-    layer = InvariantLinear(weight, b, InvariantSettings(block_m=64, block_n=32, block_k=32, split_k=split_k))
+    many_rows = Tile(block_m=128, block_n=64) if split_k > 1 else None
+    layer = InvariantLinear(weight, b, InvariantSettings(block_m=64, block_n=32, block_k=32, split_k=split_k,
+                                                         many_rows=many_rows))
     assert_rows_have_the_same_bits(layer, x)
     assert relative_error(layer(x), float64_linear(x, weight, b)) < TOLERANCE[dtype]
     strided = x.t().contiguous().t()  # the same values, not contiguous along K
