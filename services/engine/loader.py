@@ -14,7 +14,7 @@ from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.cuda_graphs import DEFAULT_BUCKETS, RoundGraphs
 from dflash_serve.services.engine.draft_runner import DraftRunner
 from dflash_serve.services.engine.engine import Engine
-from dflash_serve.services.engine.fused_target import FusedTargetRunner, fused_unsupported_reason, has_moe_blocks
+from dflash_serve.services.engine.fused_target import FusedTargetRunner, fused_unsupported_reason
 from dflash_serve.services.engine.kv_cache import BlockAllocator, KVPool, LayerKV, window_slots_for
 from dflash_serve.services.engine.prefill_graphs import CHUNK_BUCKETS, TOKEN_BUCKETS, PrefillGraphs
 from dflash_serve.services.engine.round_cost_cache import NOT_IN_KEY, RoundCostCache, machine, model_shape
@@ -121,10 +121,6 @@ def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions
         log.info("target forward: transformers layer code for %s (target_impl=transformers)", name)
         return TargetRunner(target, pool, max_positions=max_positions)
     reason = fused_unsupported_reason(target)
-    if reason is None and impl == "auto" and target.device.type == "cuda" and has_moe_blocks(target):
-        # Measured faster than transformers' experts (BENCHMARKS, MoE targets), but its bf16 check
-        # against transformers on a GPU (tests/gpu) has not run yet: only an explicit choice takes it.
-        reason = "mixture-of-experts blocks on CUDA are fused only with target_impl=fused until their GPU check has run"
     if reason is None:
         log.info("target forward: fused layers for %s (target_impl=%s%s)", name, impl,
                  ", batch-invariant kernels" if deterministic else "")
