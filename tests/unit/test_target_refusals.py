@@ -83,9 +83,9 @@ def test_gemma4_layers_of_their_own_kv_geometry_are_no_refusal():
 
 
 @pytest.mark.parametrize("twin", ["gemma4_26b_a4b_twin", "qwen3_moe_twin"])
-def test_moe_targets_take_the_fused_forward_on_the_cpu_and_on_cuda_when_asked(twin, monkeypatch):
-    """Checked against transformers on the CPU (tests/unit/test_fused_moe.py): `auto` takes the
-    fused forward there; on a GPU only `target_impl=fused` does until tests/gpu has checked it in bf16."""
+def test_moe_targets_take_the_fused_forward_on_the_cpu_and_on_cuda(twin, monkeypatch):
+    """Checked against transformers on the CPU (tests/unit/test_fused_moe.py) and in bf16 on a GPU
+    (tests/gpu/test_engine_cuda.py): `auto` takes the fused forward on both."""
     import tests.targets as targets
     from dflash_serve.services.engine.fused_target import FusedTargetRunner, fused_unsupported_reason
     from dflash_serve.services.engine import loader
@@ -98,7 +98,6 @@ def test_moe_targets_take_the_fused_forward_on_the_cpu_and_on_cuda_when_asked(tw
     # Which runner each choice builds (building one would touch CUDA).
     monkeypatch.setattr(loader, "FusedTargetRunner", lambda *args, **kwargs: "fused")
     monkeypatch.setattr(loader, "TargetRunner", lambda *args, **kwargs: "transformers")
-    assert loader.target_runner("auto", target, pool, max_positions=64) == "transformers"
+    assert loader.target_runner("auto", target, pool, max_positions=64) == "fused"
     assert loader.target_runner("fused", target, pool, max_positions=64) == "fused"
-    monkeypatch.setattr(TargetModel, "device", property(lambda self: torch.device("cuda")))
-    assert fused_unsupported_reason(target) is None
+    assert loader.target_runner("transformers", target, pool, max_positions=64) == "transformers"
