@@ -322,7 +322,7 @@ def _cluster_pids() -> set[int]:
 
 
 def test_a_bounded_soak_is_lossless_and_leaks_nothing(app, model_pair):
-    """services/bench/soak.py for 30 s, some hundreds of requests: greedy outputs equal the target
+    """services/bench/soak.py for 20 s, some hundreds of requests: greedy outputs equal the target
     alone's, cancellations and bad inputs end as they must, no replica restarted, nothing left
     held. DFLASH_TEST_SOAK_S sets another duration (it was 120 s, ~2,500 requests, until the
     suite had to fit in 5 minutes on CI's 2 cores, both of which a soak keeps busy)."""
@@ -330,7 +330,7 @@ def test_a_bounded_soak_is_lossless_and_leaks_nothing(app, model_pair):
 
     ours = _cluster_pids()
     report = soak(f"127.0.0.1:{app['ports']['grpc']}", model_pair[0], device=DEVICE, streams=4,
-                  seconds=float(os.environ.get("DFLASH_TEST_SOAK_S", "30")),
+                  seconds=float(os.environ.get("DFLASH_TEST_SOAK_S", "20")),
                   max_tokens=24, cancel_fraction=0.2, bad_fraction=0.1)
     ours |= _cluster_pids()
     assert report.mismatches == 0, report.mismatch_examples
