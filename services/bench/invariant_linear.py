@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nmany-row tiles (M = {many}): the best invariant one against cuBLAS")
         print("| model | GEMM | cuBLAS | rule's tile | best many-row tile | its µs |")
         print("|---|---|---|---|---|---|")
+        fmt = lambda times: " / ".join(f"{times[m]:.1f}" for m in many)  # noqa: E731
         for r in results:
             best = r["many_rows_best"]
-            fmt = lambda times: " / ".join(f"{times[m]:.1f}" for m in many)  # noqa: E731
             print(f"| {r['model']} | {r['gemm']} | {fmt(r['cublas_us'])} | {fmt(r['rule']['us'])} | "
                   f"{best['tile'] if best else 'none invariant'} | {fmt(best['us']) if best else ''} |")
     if args.out:
