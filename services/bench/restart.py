@@ -34,9 +34,10 @@ PROBE = generation_pb2.GenerateRequest(prompt="def add(a, b):",
 # A replica's log line as Ray prints it on the driver: (ServeReplica:dflash:Verifier pid=N) INFO 2026-12-02 01:14:46,623 ...
 LOG_LINE = re.compile(r"\(ServeReplica:dflash:Verifier pid=(\d+)\)\S* \w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \S+ -- (.*)")
 MILESTONES = {"replica starting": "replica started", "engine process up": "engine process up",
-              "models:": "models named (engine imported)", "KV cache:": "KV cache allocated",
+              "models:": "models named (engine imported)", "target loaded": "target loaded (split)",
+              "drafter actor's address received": "drafter actor up (split)", "KV cache:": "KV cache sized",
               "round graphs captured": "round graphs captured", "round costs measured": "round costs measured",
-              "round costs from": "round costs loaded"}
+              "round costs from": "round costs loaded", "engine ready": "engine ready"}
 
 
 def verifier_pids() -> list[int]:

@@ -39,7 +39,9 @@ from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.verifier.engine_metrics import MetricEvents, RequestTimings
 from dflash_serve.services.verifier.output_stream import LOOP_STOPPED, ReplyTo, RouterChannel
 
-log = logging.getLogger(__name__)
+# By name, not __name__: run as `python -m`, this module is __main__, outside the logger tree whose
+# records go to the replica (`main`), and its records were lost.
+log = logging.getLogger("dflash_serve.services.verifier.engine_process")
 GAUGE_PERIOD_S = 1.0  # gauges are set again this often (Ray exports what was recorded lately)
 METRICS_PERIOD_S = 0.1  # metric events go to the replica this often (Ray exports every few seconds)
 IDLE_WAIT_S = 0.05  # how long an idle loop waits for a message before it looks at its streams again
@@ -394,9 +396,11 @@ def build_loop(config: ServeConfig, pipe: Pipe, *, record_metrics: bool) -> Engi
     target = TargetModel.from_pretrained(engine_cfg.target, draft_cfg.target_layer_ids, dtype=dtype,
                                          device=device, revision=engine_cfg.target_revision)
     tokenizer, eos = load_tokenizer(engine_cfg)
+    log.info("target loaded; waiting for the drafter actor's address")
     (message,) = _receive(pipe.conn)
     if message[0] != "drafter":
         raise RuntimeError(f"expected the drafter's address from the replica, got {message[0]!r}")
+    log.info("drafter actor's address received")
     engine = assemble_engine(engine_cfg, target, None, tokenizer=tokenizer, eos_token_ids=eos,
                              remote_drafter=draft_cfg, remote_drafter_kv_here=config.drafter_placement == "shared")
     loop = EngineLoop(engine, pipe, config, record_metrics=record_metrics, draft_block_size=draft_cfg.block_size)
@@ -456,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:  # noqa: BLE001 - the replica reports it and fails to start
         pipe.send([("failed", traceback.format_exc())])
         return 1
+    ours.info("engine ready")
     pipe.send([("ready", loop.info())])
     freeze_startup_objects()
     loop.run()

@@ -84,3 +84,13 @@ def test_an_engine_process_that_dies_fails_the_health_check_and_its_calls_retrya
     with pytest.raises(RuntimeError, match="the engine process exited: killed by signal 9"):
         verifier.check_health()
     verifier.shutdown()
+
+
+def test_the_engine_process_logs_into_the_tree_it_relays_to_the_replica():
+    """The process runs this module as __main__ (`python -m`): a logger named by __name__ would sit
+    outside `dflash_serve.services`, whose records main() sends to the replica, and be lost."""
+    from dflash_serve.services.verifier import engine_process
+
+    assert engine_process.log.name.startswith("dflash_serve.services.")
+    source = engine_process.__loader__.get_source(engine_process.__name__)
+    assert "getLogger(__name__)" not in source

@@ -1,0 +1,28 @@
+"""The restart benchmark's timeline: milestones read from a Verifier replica's log lines as Ray prints them."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from dflash_serve.services.bench.restart import timeline
+
+LINES = """\
+(ServeReplica:dflash:Verifier pid=41) INFO 2026-12-02 18:00:01,000 dflash_Verifier abc -- replica starting (config x)
+(ServeReplica:dflash:Verifier pid=41) INFO 2026-12-02 18:00:02,500 dflash_Verifier abc -- engine process up (pid 50); importing the engine
+(ServeReplica:dflash:Verifier pid=41) INFO 2026-12-02 18:00:05,000 dflash_Verifier abc -- models: target t; drafter d
+(ServeReplica:dflash:Verifier pid=99) INFO 2026-12-02 18:00:05,100 dflash_Verifier abc -- models: another replica's
+(ServeReplica:dflash:Verifier pid=41) INFO 2026-12-02 18:00:06,000 dflash_Verifier abc -- target loaded; waiting for the drafter actor's address
+(ServeReplica:dflash:Verifier pid=41) INFO 2026-12-02 18:00:07,250 dflash_Verifier abc -- drafter actor's address received
+(ServeReplica:dflash:Verifier pid=41) INFO 2026-12-02 18:00:07,500 dflash_Verifier abc -- KV cache: 100 blocks of 16 tokens (0.10 GiB)
+(ServeReplica:dflash:Verifier pid=41) INFO 2026-12-02 18:00:08,000 dflash_Verifier abc -- round costs from /c (batch sizes [1])
+(ServeReplica:dflash:Verifier pid=41) INFO 2026-12-02 18:00:09,000 dflash_Verifier abc -- engine ready
+"""
+
+
+def test_each_milestone_of_the_replica_is_timed_from_the_start_once():
+    since = datetime(2026, 12, 2, 18, 0, 0).timestamp()
+    assert timeline(LINES, 41, since) == {
+        "replica started": 1.0, "engine process up": 2.5, "models named (engine imported)": 5.0,
+        "target loaded (split)": 6.0, "drafter actor up (split)": 7.25, "KV cache sized": 7.5,
+        "round costs loaded": 8.0, "engine ready": 9.0}
+    assert timeline(LINES, 99, since) == {"models named (engine imported)": 5.1}
