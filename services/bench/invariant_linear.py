@@ -52,8 +52,11 @@ def measure(n: int, k: int, rows: list[int], search: list[InvariantSettings]) ->
     rule, *searched = candidates
     best = min((c for c in searched if c["invariant"]), key=lambda c: c["cost"], default=rule)
     many = [m for m in rows if m >= MANY_ROWS]
-    tiles = [many_rows_candidate(InvariantSettings.for_shape(n, k), tile, weights, xs, many, base)
-             for tile in MANY_ROWS_SEARCH] if many else []
+    tiles = []
+    if many:
+        rule_settings = InvariantSettings.for_shape(n, k)
+        rule_bits = InvariantLinear(weights[0], None, rule_settings)(xs[many[-1]])  # every tile's reference
+        tiles = [many_rows_candidate(rule_settings, rule_bits, tile, weights, xs, many, base) for tile in MANY_ROWS_SEARCH]
     runnable = [c for c in tiles if "error" not in c]
     best_tile = min((c for c in runnable if c["invariant"]), key=lambda c: c["cost"], default=None)
     return {"N": n, "K": k, "cublas_us": base, "skinny_us": skinny, "rule": rule, "best": best,
@@ -61,14 +64,14 @@ def measure(n: int, k: int, rows: list[int], search: list[InvariantSettings]) ->
             "many_rows_best": best_tile, "many_rows_failed": [c for c in tiles if "error" in c]}
 
 
-def many_rows_candidate(rule: InvariantSettings, tile: Tile, weights, xs: dict, many: list[int], base: dict) -> dict:
+def many_rows_candidate(rule: InvariantSettings, rule_bits: torch.Tensor, tile: Tile, weights, xs: dict,
+                        many: list[int], base: dict) -> dict:
     """The rule with `tile` for launches of MANY_ROWS rows or more: invariant if every row of the
-    largest M has the bits the rule's own tile gives it (and so the bits it has alone)."""
+    largest M has the bits the rule's own tile gives it (`rule_bits`, and so the bits it has alone)."""
     settings = dataclasses.replace(rule, many_rows=tile)
     layers = [InvariantLinear(w, None, settings) for w in weights]
-    x = xs[many[-1]]
     try:
-        invariant = torch.equal(layers[0](x), InvariantLinear(weights[0], None, rule)(x))
+        invariant = torch.equal(layers[0](xs[many[-1]]), rule_bits)
     except Exception as err:  # noqa: BLE001 - a tile too large for shared memory, say: reported, not fatal
         return {"tile": str(tile), "error": f"{type(err).__name__}: {str(err)[:200]}"}
     times = {m: graph_time_us([lambda layer=layer, x=xs[m]: layer(x) for layer in layers]) for m in many}
