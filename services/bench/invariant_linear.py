@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
+    unknown = set(args.models.split(",")) - set(SHAPES)
+    if unknown:
+        parser.error(f"unknown --models {sorted(unknown)}; choose from {', '.join(SHAPES)}")
     results = []
     for model in args.models.split(","):
         for name, (n, k) in SHAPES[model].items():
