@@ -90,11 +90,19 @@ def _replica_metrics(deployment: str, model: str):
 
 class VerifierDeployment:
     def __init__(self, config: dict):
+        import ray
+        from ray import serve
+
+        from dflash_serve.services.verifier import intake_registry
         from dflash_serve.services.verifier.verifier import Verifier
 
         _log_through_serve()
         # model_name: the name the API serves, as vLLM's label is (not the target's path in the model cache).
-        self.verifier = Verifier(config, metrics=_replica_metrics("verifier", ServeConfig.from_dict(config).model_name))
+        self.verifier = Verifier(config, metrics=_replica_metrics("verifier", ServeConfig.from_dict(config).model_name),
+                                 intake_host=ray.util.get_node_ip_address())
+        context = serve.get_replica_context()
+        self._registration = (context.app_name, context.replica_tag)
+        intake_registry.register(*self._registration, self.verifier.intake_address)  # routers now find its engine
         freeze_startup_objects()
 
     async def generate(self, prompt_ids, params, request_id, reply_to) -> str:
@@ -113,6 +121,14 @@ class VerifierDeployment:
         self.verifier.check_health()
 
     def __del__(self):
+        from dflash_serve.services.verifier import intake_registry
+
+        registration = getattr(self, "_registration", None)
+        if registration is not None:
+            try:
+                intake_registry.forget(*registration)
+            except Exception:  # noqa: BLE001 - Ray is shutting down: the routers find the address dead instead
+                pass
         verifier = getattr(self, "verifier", None)
         if verifier is not None:
             verifier.shutdown()
@@ -141,12 +157,17 @@ class RouterDeployment:
             getattr(load_target_config(target, revision), "max_position_embeddings", 0) or 32768
         )
         api_keys = ApiKeys.from_file(cfg.api_keys_file) if cfg.api_keys_file else None
+        # The direct intake hides requests from Serve's autoscaler, which counts its calls: only a
+        # fixed verifier count takes it.
+        direct = cfg.max_replicas <= cfg.num_replicas
         self.router = Router(verifier, AutoTokenizer.from_pretrained(target, revision=revision), max_model_len=max_len,
                              max_tokens_limit=cfg.engine.max_tokens_limit,
                              default_max_tokens=cfg.default_max_tokens, max_pending=cfg.max_pending,
                              running_verifiers=_running_verifiers, api_keys=api_keys,
                              outputs_host=ray.util.get_node_ip_address(),
-                             stream_messages_per_s=cfg.stream_messages_per_s)
+                             stream_messages_per_s=cfg.stream_messages_per_s,
+                             registered_engines=_registered_engines if direct else None,
+                             forget_engine=_forget_engine)
         self.openai = OpenAIServer(self.router, cfg.model_name)
         freeze_startup_objects()
 
@@ -176,6 +197,25 @@ class RouterDeployment:
 
     async def Check(self, request, grpc_context):  # noqa: N802 - grpc.health.v1
         return await self.router.Check(request, grpc_context)
+
+
+async def _registered_engines() -> dict:
+    """The intake addresses of this application's verifier replicas' engine processes."""
+    from ray import serve
+
+    from dflash_serve.services.verifier import intake_registry
+
+    app = serve.get_replica_context().app_name
+    return await asyncio.get_running_loop().run_in_executor(None, intake_registry.registered, app)
+
+
+async def _forget_engine(replica: str) -> None:
+    from ray import serve
+
+    from dflash_serve.services.verifier import intake_registry
+
+    app = serve.get_replica_context().app_name
+    await asyncio.get_running_loop().run_in_executor(None, intake_registry.forget, app, replica)
 
 
 async def _running_verifiers() -> int:

@@ -218,7 +218,8 @@ def run_case(case: Case, out: Path, args: argparse.Namespace, log, results: list
             embedded = ["--embedded", *case.engine_flags, *args.device_flags]
             record("embedded", "in-process", t, bench(case, out / f"embedded-t{t:g}", t, embedded, log))
     for topology in [t for t in case.topologies if t in args.topologies]:
-        flags = [*case.engine_flags, *args.device_flags, "--topology", topology, "--grpc-port", str(args.grpc_port),
+        flags = [*case.engine_flags, *args.device_flags, *args.serve_flags, "--topology", topology,
+                 "--grpc-port", str(args.grpc_port),
                  "--http-port", str(args.http_port), "--metrics-port", str(args.metrics_port)]
         print(f"starting dflash serve ({case.name}, {topology})", flush=True)
         server = Server(flags, out / f"serve-{topology}.log")
@@ -287,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=8080)
     parser.add_argument("--topologies", default="colocated,split", help="the served topologies to run (of a case's)")
+    parser.add_argument("--serve-flag", dest="serve_flags", action="append", default=[],
+                        help="a flag for every `dflash serve` only, e.g. --serve-flag=--cuda-mps (repeatable)")
     parser.add_argument("--no-embedded", dest="embedded", action="store_false",
                         help="keep the embedded rows of an earlier run in --out instead of running them again")
     parser.add_argument("--out", default="serving-path", help="folder for every run's report and serving_path.json/.md")

@@ -5,11 +5,12 @@
 whose HTTP entry point serves the OpenAI API (`dflash_serve.services.router.openai_api`) on top of `outputs`,
 the one path every request takes whatever its protocol: authentication is checked by each
 protocol's front, then admission, validation, the verifier call and its cancellation are shared.
-The verifier is reached through its handle (`generate`, `model_info`, `check_health`); a
-request's outputs come back over this router's output stream (`verifier.output_stream`), one
-frame per engine step for all of its requests, and each yield of `outputs` merges everything
-that arrived since the last, so a client that reads slower than the engine gets fewer, larger
-messages rather than a growing queue.
+The verifier is reached through its handle (`generate`, `model_info`, `check_health`), or, once
+the router knows the verifiers' engine processes, a request goes straight to one of them
+(`direct_intake`); either way its outputs come back over an output stream
+(`verifier.output_stream`), one frame per engine step for all of this router's requests, and each
+yield of `outputs` merges everything that arrived since the last, so a client that reads slower
+than the engine gets fewer, larger messages rather than a growing queue.
 
 Client errors never surface as exceptions with a stack trace: `outputs` raises `RequestFailed`
 with a status code and a readable message, which gRPC sets on `grpc_context`. A streaming call then
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -40,6 +42,7 @@ from dflash_serve.services.engine.request import RequestOutput
 from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.router.auth import UNAUTHENTICATED_MESSAGE, ApiKeys, grpc_authorization
+from dflash_serve.services.router.direct_intake import DirectIntake
 from dflash_serve.services.router.validation import (
     InvalidRequest,
     chat_messages,
@@ -52,7 +55,13 @@ from dflash_serve.services.router.validation import (
     no_input,
     sampling_params,
 )
-from dflash_serve.services.verifier.output_stream import FINISH_REASONS, LOOP_STOPPED, OutputListener, StreamLost
+from dflash_serve.services.verifier.output_stream import (
+    FINISH_REASONS,
+    LOOP_STOPPED,
+    OutputListener,
+    StreamAddress,
+    StreamLost,
+)
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 HEALTH_CHECK_TIMEOUT_S = 5.0  # a verifier busy with a long prefill still answers within this
@@ -97,12 +106,16 @@ class Router:
         api_keys: ApiKeys | None = None,
         outputs_host: str = "127.0.0.1",
         stream_messages_per_s: float = 0.0,
+        registered_engines: Callable[[], Awaitable[dict[str, StreamAddress]]] | None = None,
+        forget_engine: Callable[[str], Awaitable[None]] | None = None,
     ):
         """tokenizer: the target's tokenizer folder or hub id, or a loaded tokenizer.
         running_verifiers: how many verifier replicas are up (None: never asked).
         api_keys: the keys a call must present (None: no authentication).
         outputs_host: the address the verifiers reach this router's output stream at.
-        stream_messages_per_s: the messages a second this router aims to stream (ServeConfig's; 0: no pacing)."""
+        stream_messages_per_s: the messages a second this router aims to stream (ServeConfig's; 0: no pacing).
+        registered_engines: the verifiers' engine processes' intake addresses (None: every request
+        is a Serve call); forget_engine: deletes a registration whose engine is gone."""
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
 
@@ -120,6 +133,8 @@ class Router:
         self._in_flight: set[str] = set()  # request ids admitted and not yet finished
         self._model_info: dict | None = None  # the verifier's, fetched once
         self.verifier_outputs = OutputListener(outputs_host)
+        self.direct = (DirectIntake(self.verifier_outputs, registered_engines, forget_engine)
+                       if registered_engines is not None else None)
         # Tokenizing a long prompt takes milliseconds: off the event loop that streams every other
         # request's tokens, on one thread because a fast tokenizer is not safe to share between threads.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -225,15 +240,21 @@ class Router:
 
     async def _call(self, prompt_ids: list[int], params: SamplingParams, request_id: str
                     ) -> AsyncIterator[RequestOutput]:
-        """One verifier call's outputs; raises RequestFailed. A stopped engine loop's end of the
+        """One verifier call's outputs (direct, or a Serve call); raises RequestFailed. A stopped engine loop's end of the
         request is passed on only with tokens that came with it: the status says why it ended, and
         a request that produced nothing may go again."""
         queue = self.verifier_outputs.open(request_id)
         try:
-            reply_to = await self.verifier_outputs.reply_to()
-            call = self.verifier.generate.remote(prompt_ids, params, request_id, reply_to)
-            ended = asyncio.ensure_future(call)
-            ended.add_done_callback(lambda task: self.verifier_outputs.put_end(request_id, _CallEnded(task)))
+            engine = self.direct.pick() if self.direct is not None else None
+            if engine is not None:
+                engine.add(request_id, prompt_ids, params)
+                cancel = functools.partial(engine.cancel, request_id)
+            else:
+                reply_to = await self.verifier_outputs.reply_to()
+                call = self.verifier.generate.remote(prompt_ids, params, request_id, reply_to)
+                ended = asyncio.ensure_future(call)
+                ended.add_done_callback(lambda task: self.verifier_outputs.put_end(request_id, _CallEnded(task)))
+                cancel = call.cancel
             last: RequestOutput | None = None
             try:
                 async for last in self._merged_outputs(request_id, queue):
@@ -241,7 +262,7 @@ class Router:
                         yield last
             finally:
                 if last is None or not last.finished:
-                    call.cancel()  # the client cancelled, its deadline passed, or the call failed
+                    cancel()  # the client cancelled, its deadline passed, or the call failed
         finally:
             self.verifier_outputs.close(request_id)
         if last is None or not last.finished:

@@ -10,13 +10,16 @@ routers' output streams (`output_stream`). It dies with the replica (PR_SET_PDEA
 pipe's end), so a killed replica frees its GPU and closes its routers' streams at once.
 
 The pipe carries pickled lists of messages, one list a send:
-  replica -> engine: ("config", dict, record_metrics) first, then ("drafter", address) |
+  replica -> engine: ("config", dict, record_metrics, intake_host) first, then ("drafter", address) |
                      ("add", request_id, prompt_ids, params, reply_to) | ("cancel", request_id) |
                      ("stats", token) | ("stop",)
   engine -> replica: ("ready", info) | ("failed", text) | ("ended", request_id, stream_id, error) |
                      ("stats", token, dict) | ("metrics", events) | ("drafter_lost",) | ("log", record) |
                      ("loop_error", text)
 An `ended` error is (exception type name, message); `metrics` carries `MetricEvents`' events.
+
+Routers may also skip the replica: the loop listens for their direct intakes (`output_stream`), at
+the address `ready` reports, and reads their requests and cancellations between steps.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ import ctypes
 import logging
 import logging.handlers
 import os
+import secrets
+import selectors
 import signal
+import socket
 import sys
 import threading
 import time
@@ -37,7 +43,13 @@ from dflash_serve.services.config import ServeConfig
 from dflash_serve.services.engine.request import RequestOutput, SpecStats
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.verifier.engine_metrics import MetricEvents, RequestTimings
-from dflash_serve.services.verifier.output_stream import LOOP_STOPPED, ReplyTo, RouterChannel
+from dflash_serve.services.verifier.output_stream import (
+    LOOP_STOPPED,
+    IntakeConnection,
+    RouterChannel,
+    StreamAddress,
+    sampling_from_proto,
+)
 
 # By name, not __name__: run as `python -m`, this module is __main__, outside the logger tree whose
 # records go to the replica (`main`), and its records were lost.
@@ -70,7 +82,9 @@ class EngineLoop:
     step, one frame to each router with all of its requests' new outputs, and one message to the
     replica with the calls that ended (and, every METRICS_PERIOD_S, the metric events)."""
 
-    def __init__(self, engine, pipe: Pipe, config: ServeConfig, *, record_metrics: bool, draft_block_size: int = 0):
+    def __init__(self, engine, pipe: Pipe, config: ServeConfig, *, record_metrics: bool, intake_host: str,
+                 draft_block_size: int = 0):
+        """intake_host: the address routers reach this loop's direct intake at."""
         self.engine = engine
         self.pipe = pipe
         self.config = config
@@ -80,19 +94,29 @@ class EngineLoop:
         self._remote_proposer = None
         self._drafter_lost_sent = False
         self._replies: list = []  # messages for the replica, sent once a step
-        self._channels: dict[ReplyTo, RouterChannel] = {}  # by router, reused
-        self._connecting: dict[ReplyTo, tuple[concurrent.futures.Future, list[tuple]]] = {}  # with the adds waiting
+        self._channels: dict[StreamAddress, RouterChannel] = {}  # by router, reused
+        self._connecting: dict[StreamAddress, tuple[concurrent.futures.Future, list[tuple]]] = {}  # with the adds waiting
         self._connector = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="router-connect")
         self._open_channels: set[RouterChannel] = set()  # flushed after every step
         self._requests: dict[str, RouterChannel] = {}  # requests not yet finished, and their router's channel
         self._arrivals: dict[str, float] = {}
         self._last_emit: dict[str, float] = {}
         self._stopping = False
+        # What the loop waits on between steps: the replica's pipe, the intake's listener, the intakes.
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(pipe.conn, selectors.EVENT_READ)
+        self._intake_server = socket.create_server((intake_host, 0))
+        self._intake_server.setblocking(False)
+        self._selector.register(self._intake_server, selectors.EVENT_READ)
+        self.intake_address = StreamAddress(intake_host, self._intake_server.getsockname()[1], secrets.token_bytes(16))
+        self._intakes: dict[RouterChannel, IntakeConnection] = {}  # by the channel their outputs go back on
 
     def info(self) -> dict:
-        """What the replica answers for model_info without asking this process."""
+        """What the replica answers for model_info without asking this process, and where routers
+        reach its direct intake."""
         return {"block_size": self.draft_block_size or self.engine.block_size,
-                "max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size}
+                "max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size,
+                "intake": self.intake_address}
 
     # -- the drafter (split topology) ------------------------------------------------------------
 
@@ -143,8 +167,9 @@ class EngineLoop:
             self._connector.shutdown(wait=False, cancel_futures=True)
             for buffer in self._shared:
                 buffer.close()
-            for channel in self._channels.values():
+            for channel in (*self._channels.values(), *self._intakes):
                 channel.close()
+            self._intake_server.close()
 
     def _loop(self) -> None:
         engine = self.engine
@@ -189,10 +214,18 @@ class EngineLoop:
             self._send_replies(metrics=send_metrics)
 
     def _read_messages(self, timeout: float) -> None:
+        """Whatever the replica and the direct intakes sent, waiting up to `timeout` for the first."""
+        for key, _ in self._selector.select(timeout):
+            if key.fileobj is self.pipe.conn:
+                self._read_pipe()
+            elif key.fileobj is self._intake_server:
+                self._accept_intakes()
+            else:
+                self._read_intake(key.fileobj)
+
+    def _read_pipe(self) -> None:
         conn = self.pipe.conn
         try:
-            if not conn.poll(timeout):
-                return
             while True:
                 for message in conn.recv():
                     self._handle(message)
@@ -200,6 +233,31 @@ class EngineLoop:
                     return
         except (EOFError, OSError) as err:
             raise ReplicaGone() from err
+
+    def _accept_intakes(self) -> None:
+        while True:
+            try:
+                sock, peer = self._intake_server.accept()
+            except BlockingIOError:
+                return
+            intake = IntakeConnection(sock, f"{peer[0]}:{peer[1]}", self.intake_address.token)
+            self._intakes[intake.channel] = intake
+            self._selector.register(intake, selectors.EVENT_READ)
+
+    def _read_intake(self, intake: IntakeConnection) -> None:
+        try:
+            batches = intake.read()
+        except ConnectionError as err:
+            intake.channel.close(f"the router's intake closed: {err}")
+            self._drop_channel(intake.channel)
+            return
+        channel = intake.channel
+        for batch in batches:
+            for add in batch.adds:
+                self._start(add.request_id, list(add.prompt_ids), sampling_from_proto(add.sampling), channel)
+            for request_id in batch.cancels:
+                if self._requests.get(request_id) is channel:  # a router cancels its own requests only
+                    self._cancel(request_id)
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]
@@ -229,7 +287,7 @@ class EngineLoop:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def _add(self, request_id: str, prompt_ids: list[int], params, reply_to: ReplyTo) -> None:
+    def _add(self, request_id: str, prompt_ids: list[int], params, reply_to: StreamAddress) -> None:
         channel = self._channels.get(reply_to)
         if channel is None or channel.closed:  # once per router (and again after its channel closed),
             # off this thread: connecting can wait seconds for a router that is gone.
@@ -237,7 +295,7 @@ class EngineLoop:
                 self._flush_outputs()  # a router that hung up is seen now, and dropped
                 for gone in [key for key, known in self._channels.items() if known.closed]:
                     del self._channels[gone]
-                self._connecting[reply_to] = (self._connector.submit(RouterChannel, reply_to), [])
+                self._connecting[reply_to] = (self._connector.submit(RouterChannel.connect, reply_to), [])
             self._connecting[reply_to][1].append((request_id, prompt_ids, params))
             return
         self._start(request_id, prompt_ids, params, channel)
@@ -264,7 +322,11 @@ class EngineLoop:
         try:
             self.engine.add_request(prompt_ids, params, request_id)
         except ValueError as err:
-            self._replies.append(("ended", request_id, None, ("ValueError", str(err))))
+            if channel.direct:
+                channel.refuse(request_id, str(err))
+                self._open_channels.add(channel)
+            else:
+                self._replies.append(("ended", request_id, None, ("ValueError", str(err))))
             return
         self._requests[request_id] = channel
         channel.requests.add(request_id)
@@ -282,19 +344,27 @@ class EngineLoop:
             self.engine.release(out.request_id)
             if channel is not None:
                 channel.requests.discard(out.request_id)
-                self._replies.append(("ended", out.request_id, channel.stream_id, None))
+                if not channel.direct:  # its Serve call returns
+                    self._replies.append(("ended", out.request_id, channel.stream_id, None))
 
     def _flush_outputs(self) -> None:
         """One frame to each router with this step's outputs; a router gone has its requests cancelled."""
         for channel in list(self._open_channels):
-            if channel.flush():
-                continue
-            self._open_channels.discard(channel)
-            if channel.requests:
-                log.warning("the output stream to the router at %s:%d closed (%s): cancelling its %d request(s)",
-                            channel.reply_to.host, channel.reply_to.port, channel.closed_because, len(channel.requests))
-            for request_id in list(channel.requests):
-                self._cancel(request_id)
+            if not channel.flush():
+                self._drop_channel(channel)
+
+    def _drop_channel(self, channel: RouterChannel) -> None:
+        """A router's channel closed: its requests are cancelled (their blocks freed at once)."""
+        self._open_channels.discard(channel)
+        intake = self._intakes.pop(channel, None)
+        if intake is not None:
+            self._selector.unregister(intake)
+        if channel.requests:
+            log.warning("the output stream to the router at %s closed (%s): cancelling its %d request(s)",
+                        channel.peer, channel.closed_because, len(channel.requests))
+        for request_id in list(channel.requests):
+            self._cancel(request_id)
+            if not channel.direct:
                 error = ("ConnectionError", f"the output stream to the router closed: {channel.closed_because}")
                 self._replies.append(("ended", request_id, None, error))
 
@@ -320,6 +390,7 @@ class EngineLoop:
             "speculative": engine.proposer is not None,
             "drafter_losses": engine.proposer_losses,
             "router_streams": len(self._channels),  # routers' output streams known (a closed one until the next opens)
+            "router_intakes": len(self._intakes),  # routers' direct intakes open
         }
 
     # -- metrics ---------------------------------------------------------------------------------
@@ -374,7 +445,7 @@ class EngineLoop:
 # -- building the engine -----------------------------------------------------------------------------
 
 
-def build_loop(config: ServeConfig, pipe: Pipe, *, record_metrics: bool) -> EngineLoop:
+def build_loop(config: ServeConfig, pipe: Pipe, *, record_metrics: bool, intake_host: str) -> EngineLoop:
     """The engine of `config`. With topology split, the target is loaded while the drafter actor
     loads its own weights; the KV cache is sized once the replica says where the drafter is
     (its weights are on the GPU by then)."""
@@ -382,7 +453,8 @@ def build_loop(config: ServeConfig, pipe: Pipe, *, record_metrics: bool) -> Engi
 
     engine_cfg = config.engine
     if config.topology == "colocated":
-        return EngineLoop(build_engine(engine_cfg), pipe, config, record_metrics=record_metrics)
+        return EngineLoop(build_engine(engine_cfg), pipe, config, record_metrics=record_metrics,
+                          intake_host=intake_host)
     import torch
 
     from dflash_serve.services.engine.loader import load_tokenizer, log_models
@@ -403,7 +475,8 @@ def build_loop(config: ServeConfig, pipe: Pipe, *, record_metrics: bool) -> Engi
     log.info("drafter actor's address received")
     engine = assemble_engine(engine_cfg, target, None, tokenizer=tokenizer, eos_token_ids=eos,
                              remote_drafter=draft_cfg, remote_drafter_kv_here=config.drafter_placement == "shared")
-    loop = EngineLoop(engine, pipe, config, record_metrics=record_metrics, draft_block_size=draft_cfg.block_size)
+    loop = EngineLoop(engine, pipe, config, record_metrics=record_metrics, intake_host=intake_host,
+                      draft_block_size=draft_cfg.block_size)
     loop.connect_drafter(message[1])
     return loop
 
@@ -453,8 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     ours.info("engine process up (pid %d); importing the engine", os.getpid())
     try:
         (message,) = _receive(pipe.conn)
-        _, config, record_metrics = message
-        loop = build_loop(ServeConfig.from_dict(config), pipe, record_metrics=record_metrics)
+        _, config, record_metrics, intake_host = message
+        loop = build_loop(ServeConfig.from_dict(config), pipe, record_metrics=record_metrics, intake_host=intake_host)
     except ReplicaGone:
         return 0
     except BaseException:  # noqa: BLE001 - the replica reports it and fails to start

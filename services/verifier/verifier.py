@@ -30,7 +30,7 @@ from dflash_serve.services.config import ServeConfig
 from dflash_serve.services.verifier.engine_metrics import EngineMetrics
 
 if TYPE_CHECKING:  # this module imports no torch: the replica's process starts its engine's process first
-    from dflash_serve.services.verifier.output_stream import ReplyTo
+    from dflash_serve.services.verifier.output_stream import StreamAddress
 
 log = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 30.0  # the engine's process answers between steps
@@ -80,7 +80,8 @@ DRAFTER_CPUS = 0.5
 
 
 class Verifier:
-    def __init__(self, config: dict, *, drafter_actor=None, metrics=None):
+    def __init__(self, config: dict, *, drafter_actor=None, metrics=None, intake_host: str = "127.0.0.1"):
+        """intake_host: the address routers reach the engine process's direct intake at (`intake_address`)."""
         log.info("replica starting (pid %d)", os.getpid())  # a restart's first milestone (bench.restart)
         self.config = ServeConfig.from_dict(config)
         engine_cfg = self.config.engine
@@ -90,7 +91,7 @@ class Verifier:
             self.drafter_actor, self.drafter_actor_name = spawn_drafter_actor(self.config)
         self._process = EngineProcess()
         try:
-            self._process.send([("config", self.config.to_dict(), metrics is not None)])
+            self._process.send([("config", self.config.to_dict(), metrics is not None, intake_host)])
             if self.config.topology == "split":  # the engine sizes its KV cache once the drafter's weights are in
                 import ray
 
@@ -115,7 +116,7 @@ class Verifier:
 
     # -- the router's calls ----------------------------------------------------------------------
 
-    async def generate(self, prompt_ids: list[int], params, request_id: str | None, reply_to: ReplyTo) -> str:
+    async def generate(self, prompt_ids: list[int], params, request_id: str | None, reply_to: StreamAddress) -> str:
         """Runs a request whose outputs go to the router at `reply_to`; returns, once the request's
         last output is in that router's channel, the channel's stream id. Cancelling it cancels
         the request; ValueError if the engine refuses it."""
@@ -142,6 +143,11 @@ class Verifier:
         finally:
             self._stats.pop(token, None)
         return {**stats, "drafter_actor": self.drafter_actor_name}
+
+    @property
+    def intake_address(self) -> StreamAddress:
+        """Where a router reaches the engine process directly: its requests then skip this replica."""
+        return self.info["intake"]
 
     def model_info(self) -> dict:
         cfg = self.config.engine

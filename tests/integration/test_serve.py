@@ -65,6 +65,22 @@ def test_streamed_output_equals_the_embedded_engine(app, embedded, sampling):
     assert sum(last.spec_stats.accepted_per_position) == last.spec_stats.num_accepted_tokens
 
 
+def test_the_router_finds_the_verifiers_engine_and_sends_it_requests_directly_with_the_same_outputs(app, embedded):
+    """The verifier registers its engine process's intake in Ray's key-value store; the router's
+    requests look it up and, once connected, go there instead of through a Serve call."""
+    def reached_directly():
+        _stream(app["stub"], prompt="x", sampling=generation_pb2.SamplingParams(max_tokens=2))
+        return _verifier_stats(app)["router_intakes"] >= 1
+
+    _wait(reached_directly, what="the router's direct intake to the engine")
+    prompt = "def add(a, b):"
+    ids, _, last = _stream(app["stub"], prompt=prompt, sampling=generation_pb2.SamplingParams(max_tokens=24,
+                                                                                             temperature=0.0))
+    reference = embedded.generate([embedded.tokenizer.encode(prompt)], SamplingParams(max_tokens=24,
+                                                                                      temperature=0.0))[0]
+    assert ids == reference.output_ids and last.spec_stats.num_drafts > 0
+
+
 @pytest.mark.parametrize(
     "request_kwargs, fragment",
     [

@@ -18,7 +18,7 @@ from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.transport.channel import HEADER
 from dflash_serve.services.verifier import output_stream
-from dflash_serve.services.verifier.output_stream import OutputListener, ReplyTo, RouterChannel, StreamLost
+from dflash_serve.services.verifier.output_stream import OutputListener, StreamAddress, RouterChannel, StreamLost
 from dflash_serve.services.verifier.verifier import Verifier
 from tests.served_pair import run_request, save_tiny_pair
 
@@ -38,7 +38,7 @@ def test_a_steps_outputs_for_several_requests_travel_in_one_frame_and_reach_thei
     async def scenario():
         listener = OutputListener()
         a, b = listener.open("a"), listener.open("b")
-        channel = RouterChannel(await listener.reply_to())
+        channel = RouterChannel.connect(await listener.reply_to())
         channel.add(out("a", [1, 2], "xy"))
         channel.add(out("b", [3], "z"))
         assert channel.flush()
@@ -61,7 +61,7 @@ def test_a_stream_without_the_routers_secret_delivers_nothing():
         listener = OutputListener()
         queue = listener.open("a")
         real = await listener.reply_to()
-        forged = RouterChannel(ReplyTo(real.host, real.port, b"not the secret"))
+        forged = RouterChannel.connect(StreamAddress(real.host, real.port, b"not the secret"))
         forged.add(out("a", [666], "injected", FinishReason.STOP))
         forged.flush()
         await asyncio.sleep(0.2)
@@ -75,7 +75,7 @@ def test_a_stream_without_the_routers_secret_delivers_nothing():
 def test_a_router_that_does_not_read_never_blocks_the_sender_and_is_dropped_past_the_bound(monkeypatch):
     monkeypatch.setattr(output_stream, "MAX_UNSENT_BYTES", 4 * 2**20)
     server = socket.create_server(("127.0.0.1", 0))  # accepts (in the kernel) and never reads
-    channel = RouterChannel(ReplyTo("127.0.0.1", server.getsockname()[1], b"t"))
+    channel = RouterChannel.connect(StreamAddress("127.0.0.1", server.getsockname()[1], b"t"))
     text = "x" * 4096
     start, flushes = time.monotonic(), 0
     while channel.flush():
@@ -92,7 +92,7 @@ def test_a_bad_frame_ends_the_stream_and_fails_its_requests():
         listener = OutputListener()
         queue = listener.open("a")
         reply_to = await listener.reply_to()
-        channel = RouterChannel(reply_to)
+        channel = RouterChannel.connect(reply_to)
         channel.add(out("a", [1], "x"))
         assert channel.flush()
         first = await asyncio.wait_for(queue.get(), 5)

@@ -26,7 +26,7 @@ from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.router import router as router_module
 from dflash_serve.services.router.router import Router, RpcFailed
-from dflash_serve.services.verifier.output_stream import ReplyTo, RouterChannel
+from dflash_serve.services.verifier.output_stream import StreamAddress, RouterChannel
 from tests.tokenizer import train_tiny_tokenizer
 
 VOCAB = 600
@@ -64,12 +64,12 @@ class FakeCall:
     it sends each output of its script over a real output stream to the router's `reply_to` (one
     frame each) and ends with the stream's id, or raises what the script raises."""
 
-    def __init__(self, outputs, reply_to: ReplyTo, *, one_frame: bool):
+    def __init__(self, outputs, reply_to: StreamAddress, *, one_frame: bool):
         self.cancelled = False
         self._task = asyncio.ensure_future(self._run(outputs, reply_to, one_frame))
 
-    async def _run(self, outputs, reply_to: ReplyTo, one_frame: bool) -> str:
-        channel = RouterChannel(reply_to)
+    async def _run(self, outputs, reply_to: StreamAddress, one_frame: bool) -> str:
+        channel = RouterChannel.connect(reply_to)
         try:
             async for out in outputs:
                 channel.add(out)

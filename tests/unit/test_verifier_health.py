@@ -36,7 +36,7 @@ def test_a_stopped_engine_loop_ends_the_requests_it_held_and_tells_the_replica(t
     engine.step = broken_step
     ours, theirs = socket.socketpair()
     replica = Connection(ours.detach())
-    loop = EngineLoop(engine, Pipe(Connection(theirs.detach())), config, record_metrics=False)
+    loop = EngineLoop(engine, Pipe(Connection(theirs.detach())), config, record_metrics=False, intake_host="127.0.0.1")
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
 

@@ -25,19 +25,29 @@ _sym_db = _symbol_database.Default()
 from dflash_serve.services.api.dflash.v1 import generation_pb2 as dflash_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x66lash/v1/outputs.proto\x12\tdflash.v1\x1a\x1a\x64\x66lash/v1/generation.proto\"\\\n\x0cOutputsHello\x12*\n\x07version\x18\x01 \x01(\x0e\x32\x19.dflash.v1.OutputsVersion\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x11\n\tstream_id\x18\x03 \x01(\t\"\xe2\x01\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.dflash.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\x05\x12(\n\nspec_stats\x18\x07 \x01(\x0b\x32\x14.dflash.v1.SpecStats\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"7\n\x0bStepOutputs\x12(\n\x07outputs\x18\x01 \x03(\x0b\x32\x17.dflash.v1.RequestDelta*H\n\x0eOutputsVersion\x12\x1f\n\x1bOUTPUTS_VERSION_UNSPECIFIED\x10\x00\x12\x15\n\x11OUTPUTS_VERSION_1\x10\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x66lash/v1/outputs.proto\x12\tdflash.v1\x1a\x1a\x64\x66lash/v1/generation.proto\"\\\n\x0cOutputsHello\x12*\n\x07version\x18\x01 \x01(\x0e\x32\x19.dflash.v1.OutputsVersion\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x11\n\tstream_id\x18\x03 \x01(\t\"\xf3\x01\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.dflash.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\x05\x12(\n\nspec_stats\x18\x07 \x01(\x0b\x32\x14.dflash.v1.SpecStats\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x0f\n\x07refused\x18\t \x01(\x08\"7\n\x0bStepOutputs\x12(\n\x07outputs\x18\x01 \x03(\x0b\x32\x17.dflash.v1.RequestDelta\"G\n\x0bIntakeHello\x12)\n\x07version\x18\x01 \x01(\x0e\x32\x18.dflash.v1.IntakeVersion\x12\r\n\x05token\x18\x02 \x01(\x0c\"\xef\x01\n\x10ResolvedSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12#\n\x16num_speculative_tokens\x18\t \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x19\n\x17_num_speculative_tokens\"c\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.dflash.v1.ResolvedSampling\"F\n\x0eIntakeMessages\x12#\n\x04\x61\x64\x64s\x18\x01 \x03(\x0b\x32\x15.dflash.v1.AddRequest\x12\x0f\n\x07\x63\x61ncels\x18\x02 \x03(\t*H\n\x0eOutputsVersion\x12\x1f\n\x1bOUTPUTS_VERSION_UNSPECIFIED\x10\x00\x12\x15\n\x11OUTPUTS_VERSION_1\x10\x01*E\n\rIntakeVersion\x12\x1e\n\x1aINTAKE_VERSION_UNSPECIFIED\x10\x00\x12\x14\n\x10INTAKE_VERSION_1\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dflash_serve.services.api.dflash.v1.outputs_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTPUTSVERSION']._serialized_start=446
-  _globals['_OUTPUTSVERSION']._serialized_end=518
+  _globals['_OUTPUTSVERSION']._serialized_start=951
+  _globals['_OUTPUTSVERSION']._serialized_end=1023
+  _globals['_INTAKEVERSION']._serialized_start=1025
+  _globals['_INTAKEVERSION']._serialized_end=1094
   _globals['_OUTPUTSHELLO']._serialized_start=66
   _globals['_OUTPUTSHELLO']._serialized_end=158
   _globals['_REQUESTDELTA']._serialized_start=161
-  _globals['_REQUESTDELTA']._serialized_end=387
-  _globals['_STEPOUTPUTS']._serialized_start=389
-  _globals['_STEPOUTPUTS']._serialized_end=444
+  _globals['_REQUESTDELTA']._serialized_end=404
+  _globals['_STEPOUTPUTS']._serialized_start=406
+  _globals['_STEPOUTPUTS']._serialized_end=461
+  _globals['_INTAKEHELLO']._serialized_start=463
+  _globals['_INTAKEHELLO']._serialized_end=534
+  _globals['_RESOLVEDSAMPLING']._serialized_start=537
+  _globals['_RESOLVEDSAMPLING']._serialized_end=776
+  _globals['_ADDREQUEST']._serialized_start=778
+  _globals['_ADDREQUEST']._serialized_end=877
+  _globals['_INTAKEMESSAGES']._serialized_start=879
+  _globals['_INTAKEMESSAGES']._serialized_end=949
 # @@protoc_insertion_point(module_scope)
