@@ -169,7 +169,24 @@ class RouterDeployment:
                              registered_engines=_registered_engines if direct else None,
                              forget_engine=_forget_engine)
         self.openai = OpenAIServer(self.router, cfg.model_name)
+        self.ingress = None
+        if cfg.ingress == "router":  # this replica serves the ports itself (Serve runs no proxy)
+            from dflash_serve.services.router.ingress import RouterIngress
+
+            self.ingress = RouterIngress(self.router, self.openai)
+            self.ingress.bind(cfg.http_host, cfg.grpc_port, cfg.http_port)
+            self.ingress.start()
         freeze_startup_objects()
+
+    def check_health(self) -> None:
+        """Serve replaces a router replica whose own servers stopped."""
+        failure = self.ingress.failure() if self.ingress is not None else None
+        if failure:
+            raise RuntimeError(failure)
+
+    async def __del__(self):
+        if self.ingress is not None:
+            await self.ingress.stop()
 
     async def __call__(self, request):
         """An HTTP request (a starlette Request): the OpenAI API."""

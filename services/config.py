@@ -26,6 +26,7 @@ TargetImpl = Literal["auto", "fused", "transformers"]
 Topology = Literal["split", "colocated"]
 Speculation = Literal["adaptive", "fixed"]
 DrafterPlacement = Literal["shared", "own_gpu"]
+Ingress = Literal["router", "serve"]
 TARGET_IMPLS = typing.get_args(TargetImpl)
 TOPOLOGIES = typing.get_args(Topology)
 SPECULATION_MODES = typing.get_args(Speculation)
@@ -236,9 +237,17 @@ class ServeConfig(_Config):
     router_replicas: int = Field(1, gt=0, description="Router (gRPC and HTTP ingress) replicas.")
     router_max_replicas: int = Field(0, ge=0, description="Above router_replicas: Serve autoscales the routers "
                                      "between the two (target: max_pending / 2 ongoing requests). 0: a fixed count.")
-    grpc_port: int = Field(9000, ge=1, le=65535, description="The gRPC API's port (dflash.v1.Generation).")
-    http_port: int = Field(8000, ge=1, le=65535, description="Serve's HTTP port: the OpenAI-compatible API "
+    grpc_port: int = Field(9000, ge=1, le=65535, description="The gRPC API's port (dflash.v1.Generation), on every "
+                           "interface.")
+    http_port: int = Field(8000, ge=1, le=65535, description="The HTTP port: the OpenAI-compatible API "
                            "(/v1/chat/completions, /v1/completions, /v1/models).")
+    http_host: str = Field("127.0.0.1", description="The HTTP API's interface (0.0.0.0: every one).")
+    ingress: Ingress = Field("router", description="Who serves grpc_port and http_port. router: each router "
+                             "replica itself (every replica of a node on the same ports, SO_REUSEPORT), and Ray "
+                             "Serve runs no proxy: a first token ~4 ms sooner, and the OpenAI API streams at the "
+                             "engine's pace (BENCHMARKS, the serving path). serve: Ray Serve's proxies, which call "
+                             "the routers; KubeRay's RayService routes its serve Service to them (the chart's "
+                             "choice).")
     metrics_port: int = Field(8080, ge=1, le=65535, description="Prometheus metrics (/metrics) of each Ray node.")
     served_model_name: str = Field("", description="The model name the OpenAI API serves and expects in `model`; "
                                    "empty: the target's folder name for a local folder, else the target as given "

@@ -26,7 +26,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", help="the YAML the Helm chart renders (services/config.py:ServeConfig: engine, "
                                          "topology, ports, ...); the flags below override it, and DFLASH_* variables "
                                          "override it under them")
-    parser.add_argument("--http-host", default="127.0.0.1", help="the HTTP API's interface (0.0.0.0: every one)")
     parser.add_argument("--cuda-mps", action="store_true",
                         help="run the server's processes as clients of a CUDA MPS daemon of its own, so that a verifier "
                              "and a drafter sharing its GPU share its SMs instead of time-slicing it (+4-5%% at batch 1, "
@@ -95,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 def _serve_on_ray(args: argparse.Namespace, config: ServeConfig, num_gpus: int) -> int:
     import ray
     from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
+    from ray.serve.config import HTTPOptions, ProxyLocation, gRPCOptions
 
     from dflash_serve.services.app import GRPC_SERVICER_FUNCTIONS, SERVE_ENV, build_app
 
@@ -103,12 +102,15 @@ def _serve_on_ray(args: argparse.Namespace, config: ServeConfig, num_gpus: int) 
     for name, value in SERVE_ENV.items():  # the Ray it starts inherits them; one set explicitly wins
         os.environ.setdefault(name, value)
     ray.init(include_dashboard=False, num_gpus=num_gpus or None, _metrics_export_port=config.metrics_port)
-    serve.start(http_options=HTTPOptions(host=args.http_host, port=config.http_port),
-                grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
+    if config.ingress == "router":  # the routers listen on the ports themselves
+        serve.start(proxy_location=ProxyLocation.Disabled)
+    else:
+        serve.start(http_options=HTTPOptions(host=config.http_host, port=config.http_port),
+                    grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
     serve.run(build_app(config), name="dflash", route_prefix="/")
-    print(f"dflash-serve is up: the OpenAI API on http://{args.http_host}:{config.http_port}/v1 (model "
-          f"{config.model_name!r}), gRPC on port {config.grpc_port} of every interface (dflash.v1.Generation; Ray "
-          f"Serve's gRPC proxy has no host option), metrics on port {config.metrics_port} (/metrics)"
+    print(f"dflash-serve is up: the OpenAI API on http://{config.http_host}:{config.http_port}/v1 (model "
+          f"{config.model_name!r}), gRPC on port {config.grpc_port} of every interface (dflash.v1.Generation), "
+          f"metrics on port {config.metrics_port} (/metrics)"
           + (", API keys required" if config.api_keys_file else "") + ". Try: dflash client --prompt 'Hello'",
           flush=True)
     run_until_stopped()

@@ -80,16 +80,17 @@ def test_every_ray_pod_runs_serve_with_the_settings_dflash_serve_starts_ray_with
         assert {name: variables.get(name) for name in SERVE_ENV} == SERVE_ENV, group
 
 
-def test_the_config_is_the_users_block_plus_the_ports(rendered, values):
+def test_the_config_is_the_users_block_plus_the_ports_and_serves_ingress(rendered, values):
+    """Serve's proxies are the chart's ingress: KubeRay's serve Service and readiness use them."""
     merged = chart_values(values)
     expected = {**merged["dflash"], "grpc_port": merged["ports"]["grpc"], "http_port": merged["ports"]["http"],
-                "metrics_port": merged["ports"]["metrics"]}
+                "metrics_port": merged["ports"]["metrics"], "ingress": "serve"}
     if merged["apiKeys"]["secretName"]:
         expected["api_keys_file"] = "/etc/dflash-keys/keys"
     assert rendered.dflash_config == expected
     assert not set(ROUTER_SETTINGS) & set(rendered.app["args"])  # those go to the Router's user_config
     # Nothing is defaulted on the way: a key the user did not set is in neither place.
-    assert render({}).dflash_config.keys() == {"engine", "grpc_port", "http_port", "metrics_port"}
+    assert render({}).dflash_config.keys() == {"engine", "grpc_port", "http_port", "metrics_port", "ingress"}
 
 
 def test_the_config_is_a_valid_serve_config(rendered):

@@ -164,7 +164,8 @@ def pytest_runtest_setup(item):
 @contextlib.contextmanager
 def deployed_app(ports: dict, model_pair: tuple[str, str], **serve_config) -> Iterator[dict]:
     """The real application (split topology, the tiny pair) deployed as `dflash` on the session's
-    Ray, ready on Serve's gRPC port; `serve_config`: ServeConfig fields over the tests' defaults.
+    Ray, ready on its gRPC port (Serve's proxy's, or with ingress router the routers' own);
+    `serve_config`: ServeConfig fields over the tests' defaults.
     Yields the config, a gRPC channel and stub, the Verifier's handle and the ports; deletes it afterwards."""
     from ray import serve
 
@@ -177,9 +178,9 @@ def deployed_app(ports: dict, model_pair: tuple[str, str], **serve_config) -> It
     config = ServeConfig(**{"engine": EngineConfig(target=target, drafter=drafter, device=DEVICE, num_kv_blocks=256,
                                                    max_num_seqs=4, speculation="fixed"),
                             "topology": "split", "max_pending": 8, "default_max_tokens": 32,
-                            "grpc_port": ports["grpc"], **serve_config})
+                            "grpc_port": ports["grpc"], "ingress": "serve", **serve_config})
     serve.run(build_app(config), name="dflash", route_prefix="/")
-    channel = grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}")
+    channel = grpc.insecure_channel(f"127.0.0.1:{config.grpc_port}")
     try:
         grpc.channel_ready_future(channel).result(timeout=30)
         yield {"config": config, "channel": channel, "stub": generation_pb2_grpc.GenerationStub(channel),

@@ -146,7 +146,7 @@ def test_unpinned_model_info_has_empty_revisions(tmp_path):
 def test_the_router_deployment_reads_tokenizer_and_config_at_the_target_revision(hub):
     from dflash_serve.services.app import RouterDeployment
 
-    RouterDeployment(None, ServeConfig(engine=EngineConfig(**ENGINE)).to_dict())
+    RouterDeployment(None, ServeConfig(engine=EngineConfig(**ENGINE), ingress="serve").to_dict())
     assert sorted(set(hub.calls)) == [("config", TARGET, "t-commit"), ("tokenizer", TARGET, "t-commit")]
     assert gc.get_freeze_count() > 0
 

@@ -33,10 +33,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/*
 The server's config: the user's `dflash` block as given (no defaults added here), plus the ports
-this chart owns.
+this chart owns, and Ray Serve's proxies as the ingress: KubeRay's RayService sends its serve
+Service to them and judges the pods' readiness by them.
 */}}
 {{- define "dflash-serve.config" -}}
-{{- $owned := dict "grpc_port" .Values.ports.grpc "http_port" .Values.ports.http "metrics_port" .Values.ports.metrics -}}
+{{- $owned := dict "grpc_port" .Values.ports.grpc "http_port" .Values.ports.http "metrics_port" .Values.ports.metrics "ingress" "serve" -}}
 {{- if .Values.apiKeys.secretName -}}
 {{- $_ := set $owned "api_keys_file" (include "dflash-serve.apiKeysFile" .) -}}
 {{- end -}}
