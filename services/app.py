@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from dflash_serve.services.config import ServeConfig
 from dflash_serve.services.gc_freeze import freeze_startup_objects
@@ -41,6 +42,8 @@ ROUTER_CPUS = 0.25
 # killed verifier sat dead 7-8 s before Serve started another, a third of its restart on a CPU).
 # A check is cheap (the verifier's: its loop alive, a CUDA sync).
 HEALTH_CHECK_PERIOD_S = 1.0
+# A stopping verifier's requests get this long to finish; within Serve's graceful_shutdown_timeout_s (20 s).
+DRAIN_TIMEOUT_S = 15.0
 VERIFIER_CPUS = 0.5
 CONTROL_HEADROOM = 32
 
@@ -120,7 +123,10 @@ class VerifierDeployment:
         the router calls it for grpc.health.v1."""
         self.verifier.check_health()
 
-    def __del__(self):
+    async def __del__(self):
+        """Serve's graceful shutdown. Serve sees none of the direct intake's requests, so it would
+        stop this replica with them in flight: the routers stop sending here first (the
+        registration goes), then the requests the engine holds finish (up to DRAIN_TIMEOUT_S)."""
         from dflash_serve.services.verifier import intake_registry
 
         registration = getattr(self, "_registration", None)
@@ -130,8 +136,18 @@ class VerifierDeployment:
             except Exception:  # noqa: BLE001 - Ray is shutting down: the routers find the address dead instead
                 pass
         verifier = getattr(self, "verifier", None)
-        if verifier is not None:
-            verifier.shutdown()
+        if verifier is None:
+            return
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        try:
+            while time.monotonic() < deadline:
+                stats = await verifier.stats()
+                if stats["running"] == stats["waiting"] == 0:
+                    break
+                await asyncio.sleep(0.1)
+        except Exception:  # noqa: BLE001 - the engine's process is gone: nothing left to drain
+            pass
+        verifier.shutdown()
 
 
 class RouterDeployment:

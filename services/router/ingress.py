@@ -18,15 +18,16 @@ import socket
 
 import grpc
 import uvicorn
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 from starlette.requests import Request
 
-from dflash_serve.services.api.dflash.v1 import generation_pb2_grpc
+from dflash_serve.services.api.dflash.v1 import generation_pb2, generation_pb2_grpc
 from dflash_serve.services.router.openai_api import OpenAIServer
 from dflash_serve.services.router.router import Router, RpcFailed
 
 log = logging.getLogger(__name__)
-STOP_GRACE_S = 5.0  # in-flight calls get this long to end when the router stops
+STOP_GRACE_S = 15.0  # in-flight calls get this long to end when the router stops (app.DRAIN_TIMEOUT_S)
 WATCH_PERIOD_S = 1.0
 
 
@@ -85,6 +86,9 @@ class RouterIngress:
         self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(servicer, self._grpc)
+        reflection.enable_server_reflection([generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+                                             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                             reflection.SERVICE_NAME], self._grpc)
         grpc_address = f"[::]:{grpc_port}"
         try:
             grpc_port = self._grpc.add_insecure_port(grpc_address)

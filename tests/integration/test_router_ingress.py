@@ -83,3 +83,14 @@ def test_a_client_cancelling_mid_stream_frees_every_block(app):
             return
         time.sleep(0.2)
     raise AssertionError(f"blocks not freed after the cancel: {stats}")
+
+
+def test_the_grpc_services_are_listed_by_reflection(app):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(app["channel"])
+    (answer,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                          timeout=30)
+    names = {service.name for service in answer.list_services_response.service}
+    assert {"dflash.v1.Generation", "grpc.health.v1.Health"} <= names
+
