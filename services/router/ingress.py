@@ -31,7 +31,7 @@ STOP_GRACE_S = 15.0  # in-flight calls get this long to end when the router stop
 WATCH_PERIOD_S = 1.0
 
 
-class _GrpcServicer:
+class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """The Router's gRPC methods for grpc.aio: a failed stream ends with its status through abort
     (the Router raises RpcFailed after setting it, which Serve's proxy needs)."""
 
@@ -51,6 +51,14 @@ class _GrpcServicer:
 
     async def GetModelInfo(self, request, context):  # noqa: N802
         return await self.router.GetModelInfo(request, context)
+
+
+class _HealthServicer(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1 as the Router answers it; methods a newer grpcio-health-checking adds (List)
+    keep the base class's UNIMPLEMENTED."""
+
+    def __init__(self, router: Router):
+        self.router = router
 
     async def Check(self, request, context):  # noqa: N802
         return await self.router.Check(request, context)
@@ -82,10 +90,9 @@ class RouterIngress:
 
     def bind(self, http_host: str, grpc_port: int, http_port: int) -> tuple[int, int]:
         """Takes both ports (0: any free one; gRPC on every interface); returns the ports taken."""
-        servicer = _GrpcServicer(self.router)
         self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
-        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, self._grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(servicer, self._grpc)
+        generation_pb2_grpc.add_GenerationServicer_to_server(_GenerationServicer(self.router), self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(_HealthServicer(self.router), self._grpc)
         reflection.enable_server_reflection([generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
                                              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                              reflection.SERVICE_NAME], self._grpc)
