@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import socket
 
 import grpc
@@ -26,7 +25,6 @@ from dflash_serve.services.api.dflash.v1 import generation_pb2, generation_pb2_g
 from dflash_serve.services.router.openai_api import OpenAIServer
 from dflash_serve.services.router.router import Router, RpcFailed
 
-log = logging.getLogger(__name__)
 STOP_GRACE_S = 15.0  # in-flight calls get this long to end when the router stops (app.DRAIN_TIMEOUT_S)
 WATCH_PERIOD_S = 1.0
 

@@ -49,9 +49,22 @@ def test_a_bad_request_ends_the_stream_with_invalid_argument_and_the_reason(app)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()
 
 
-def test_the_health_service_answers_serving(app):
+def test_a_bad_unary_call_gets_invalid_argument_and_the_reason(app):
+    with pytest.raises(grpc.RpcError) as err:
+        app["stub"].Complete(generation_pb2.GenerateRequest(
+            prompt="x", sampling=generation_pb2.SamplingParams(temperature=-1)), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
+
+
+def test_the_health_service_answers_serving_and_watches(app):
     health = health_pb2_grpc.HealthStub(app["channel"])
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == health_pb2.HealthCheckResponse.SERVING
+    watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=30)
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    watch.cancel()
+    with pytest.raises(grpc.RpcError) as err:
+        health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=30)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_the_openai_api_streams_on_the_routers_http_port(app, embedded):
