@@ -21,9 +21,18 @@ from tests.integration.conftest import DEVICE, deployed_app, free_port
 
 @pytest.fixture(scope="module")
 def app(ray_serve, model_pair):
+    """Two router replicas: both listen on the same two ports (SO_REUSEPORT)."""
     ports = {**ray_serve, "grpc": free_port(), "http": free_port()}  # not the proxies' ports
-    with deployed_app(ports, model_pair, ingress="router", http_port=ports["http"], served_model_name="tiny") as app:
+    with deployed_app(ports, model_pair, ingress="router", router_replicas=2, http_port=ports["http"],
+                      served_model_name="tiny") as app:
         yield app
+
+
+def test_both_router_replicas_run_on_the_same_ports(app):
+    from ray import serve
+
+    routers = serve.status().applications["dflash"].deployments["Router"]
+    assert routers.replica_states.get("RUNNING", 0) == 2
 
 
 @pytest.fixture(scope="module")
