@@ -59,6 +59,7 @@ METRICS_PERIOD_S = 0.1  # metric events go to the replica this often (Ray export
 IDLE_WAIT_S = 0.05  # how long an idle loop waits for a message before it looks at its streams again
 HEALTH_PERIOD_S = 1.0  # an idle GPU is synchronized this often: a sticky CUDA error then fails the loop
 CONNECTING_WAIT_S = 0.001  # the idle wait while a router's stream is being opened
+INTAKE_HELLO_TIMEOUT_S = 5.0  # a connection to the intake must say who it is within this
 
 
 class Pipe:
@@ -177,8 +178,10 @@ class EngineLoop:
         next_gauges = next_health = next_metrics = 0.0
         while not self._stopping:
             now = time.monotonic()
-            if self.metrics is not None and now >= next_gauges:  # also idle: a gauge set once is not exported
-                self._queue_gauges()
+            if now >= next_gauges:  # also idle: a gauge set once is not exported
+                if self.metrics is not None:
+                    self._queue_gauges()
+                self._drop_silent_intakes(now)
                 next_gauges = now + GAUGE_PERIOD_S
             busy = engine.has_unfinished()
             self._read_messages(0 if busy else CONNECTING_WAIT_S if self._connecting else IDLE_WAIT_S)
@@ -243,6 +246,15 @@ class EngineLoop:
             intake = IntakeConnection(sock, f"{peer[0]}:{peer[1]}", self.intake_address.token)
             self._intakes[intake.channel] = intake
             self._selector.register(intake, selectors.EVENT_READ)
+
+    def _drop_silent_intakes(self, now: float) -> None:
+        """A connection that has not proven itself (its hello) within INTAKE_HELLO_TIMEOUT_S is
+        not a router of this application: it holds nothing here for long."""
+        for intake in [i for i in self._intakes.values() if not i.greeted and now - i.accepted > INTAKE_HELLO_TIMEOUT_S]:
+            log.warning("closed a connection to the intake from %s: no hello within %.0f s", intake.channel.peer,
+                        INTAKE_HELLO_TIMEOUT_S)
+            intake.channel.close("no hello")
+            self._drop_channel(intake.channel)
 
     def _read_intake(self, intake: IntakeConnection) -> None:
         try:

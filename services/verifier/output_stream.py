@@ -24,6 +24,7 @@ import logging
 import secrets
 import select
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -192,9 +193,10 @@ class IntakeConnection:
     def __init__(self, sock: socket.socket, peer: str, token: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
         self.channel = RouterChannel(sock, peer, direct=True)
         self.max_frame_bytes = max_frame_bytes
+        self.accepted = time.monotonic()
+        self.greeted = False  # its hello came, with the secret
         self._sock = sock
         self._token = token
-        self._greeted = False
         self._received = bytearray()
 
     def fileno(self) -> int:
@@ -223,12 +225,12 @@ class IntakeConnection:
             payload = bytes(self._received[HEADER.size:HEADER.size + length])
             del self._received[:HEADER.size + length]
             try:
-                if not self._greeted:
+                if not self.greeted:
                     hello = outputs_pb2.IntakeHello.FromString(payload)
                     if hello.version != outputs_pb2.INTAKE_VERSION_1 or not secrets.compare_digest(hello.token,
                                                                                                     self._token):
                         raise ConnectionError(f"wrong version ({hello.version}) or token")
-                    self._greeted = True
+                    self.greeted = True
                 else:
                     messages.append(outputs_pb2.IntakeMessages.FromString(payload))
             except DecodeError as err:

@@ -184,3 +184,48 @@ def test_an_engine_refusing_connections_is_forgotten_and_requests_go_through_ser
         return intake.pick()
 
     assert asyncio.run(scenario()) is None and forgotten == ["dead"]
+
+
+def test_a_connection_to_the_intake_that_never_says_hello_is_closed(tmp_path, monkeypatch):
+    """The engine process's loop, here in a thread: a connection without the hello holds nothing
+    for long (a port scan, a stuck client), while a router's stays open."""
+    import threading
+    from multiprocessing.connection import Connection
+
+    from dflash_serve.services.config import ServeConfig
+    from dflash_serve.services.verifier import engine_process
+    from dflash_serve.services.verifier.engine_process import EngineLoop, Pipe
+
+    monkeypatch.setattr(engine_process, "INTAKE_HELLO_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(engine_process, "GAUGE_PERIOD_S", 0.1)
+    target, drafter = save_tiny_pair(tmp_path, block_size=6)
+    config = ServeConfig.from_dict({"engine": {"target": target, "drafter": drafter, "max_num_seqs": 2},
+                                    "topology": "colocated"})
+    ours, theirs = socket.socketpair()
+    replica = Connection(ours.detach())
+    loop = EngineLoop(build_engine(config.engine), Pipe(Connection(theirs.detach())), config, record_metrics=False,
+                      intake_host="127.0.0.1")
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    address = loop.intake_address
+    silent = socket.create_connection((address.host, address.port), timeout=10)
+
+    async def a_router_request():
+        listener = OutputListener()
+        queue = listener.open("r")
+        channel = await listener.connect(address)
+        await asyncio.sleep(1.0)  # well past the hello timeout: the router said hello, it stays
+        channel.add("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        outputs = [await asyncio.wait_for(queue.get(), 30)]
+        while not outputs[-1].finished:
+            outputs.append(await asyncio.wait_for(queue.get(), 30))
+        await listener.aclose()
+        return outputs
+
+    outputs = asyncio.run(a_router_request())
+    assert silent.recv(1) == b""  # closed by the engine
+    assert outputs[-1].num_output_tokens == 4
+    replica.send([("stop",)])
+    thread.join(timeout=30)
+    silent.close()
+    replica.close()
