@@ -96,7 +96,8 @@ class EngineLoop:
         self._drafter_lost_sent = False
         self._replies: list = []  # messages for the replica, sent once a step
         self._channels: dict[StreamAddress, RouterChannel] = {}  # by router, reused
-        self._connecting: dict[StreamAddress, tuple[concurrent.futures.Future, list[tuple]]] = {}  # with the adds waiting
+        # Routers' streams being opened, with the adds waiting for them.
+        self._connecting: dict[StreamAddress, tuple[concurrent.futures.Future, list[tuple]]] = {}
         self._connector = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="router-connect")
         self._open_channels: set[RouterChannel] = set()  # flushed after every step
         self._requests: dict[str, RouterChannel] = {}  # requests not yet finished, and their router's channel
@@ -250,7 +251,8 @@ class EngineLoop:
     def _drop_silent_intakes(self, now: float) -> None:
         """A connection that has not proven itself (its hello) within INTAKE_HELLO_TIMEOUT_S is
         not a router of this application: it holds nothing here for long."""
-        for intake in [i for i in self._intakes.values() if not i.greeted and now - i.accepted > INTAKE_HELLO_TIMEOUT_S]:
+        silent = [i for i in self._intakes.values() if not i.greeted and now - i.accepted > INTAKE_HELLO_TIMEOUT_S]
+        for intake in silent:
             log.warning("closed a connection to the intake from %s: no hello within %.0f s", intake.channel.peer,
                         INTAKE_HELLO_TIMEOUT_S)
             intake.channel.close("no hello")
