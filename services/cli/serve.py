@@ -107,7 +107,8 @@ def _serve_on_ray(args: argparse.Namespace, config: ServeConfig, num_gpus: int) 
     else:
         serve.start(http_options=HTTPOptions(host=config.http_host, port=config.http_port),
                     grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
-    serve.run(build_app(config), name="dflash", route_prefix="/")
+    # No HTTP route with the routers serving the ports themselves (Serve would announce its proxy's address).
+    serve.run(build_app(config), name="dflash", route_prefix="/" if config.ingress == "serve" else None)
     print(f"dflash-serve is up: the OpenAI API on http://{config.http_host}:{config.http_port}/v1 (model "
           f"{config.model_name!r}), gRPC on port {config.grpc_port} of every interface (dflash.v1.Generation), "
           f"metrics on port {config.metrics_port} (/metrics)"
