@@ -356,18 +356,23 @@ class OutputListener:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A verifier's channel for the requests of this router's Serve calls."""
+        task = asyncio.current_task()
+        self._handlers.add(task)  # aclose cancels it while it waits for the hello too
         try:
-            hello = outputs_pb2.OutputsHello.FromString(await self._read_frame(reader))
-        except Exception:  # noqa: BLE001 - no hello (a port scan, a broken connection): nothing to relay
-            writer.close()
-            return
-        if hello.version != outputs_pb2.OUTPUTS_VERSION_1 or not secrets.compare_digest(hello.token, self._token):
-            log.warning("refused an output stream from %s: wrong version (%d) or token",
-                        writer.get_extra_info("peername"), hello.version)
-            writer.close()
-            return
-        self._streams[hello.stream_id] = self._early.pop(hello.stream_id, set())
-        await self._relay(reader, writer, hello.stream_id)
+            try:
+                hello = outputs_pb2.OutputsHello.FromString(await self._read_frame(reader))
+            except (Exception, asyncio.CancelledError):  # no hello (a port scan, a broken connection, closing)
+                writer.close()
+                return
+            if hello.version != outputs_pb2.OUTPUTS_VERSION_1 or not secrets.compare_digest(hello.token, self._token):
+                log.warning("refused an output stream from %s: wrong version (%d) or token",
+                            writer.get_extra_info("peername"), hello.version)
+                writer.close()
+                return
+            self._streams[hello.stream_id] = self._early.pop(hello.stream_id, set())
+            await self._relay(reader, writer, hello.stream_id)
+        finally:
+            self._handlers.discard(task)
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stream_id: str) -> None:
         """Puts every delta of the stream into its request's queue; once the stream closes, its
