@@ -340,12 +340,12 @@ class OpenAIBackend:
                 return
             usage, done = None, False
             async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators, SSE comments and fields
+                if done or not line.startswith("data:"):
+                    continue  # blank separators, SSE comments and fields; anything after [DONE]
                 data = line[len("data:"):].strip()
-                if data == "[DONE]":
+                if data == "[DONE]":  # read on to the body's end: a connection left mid-body is closed, not reused
                     done = True
-                    break
+                    continue
                 chunk = json.loads(data)
                 if "error" in chunk:  # an error after the stream began (vLLM sends one as data)
                     record.error = "STREAM_ERROR"

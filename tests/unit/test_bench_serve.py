@@ -908,3 +908,50 @@ def test_the_cli_says_what_to_fix(openai, args, says, monkeypatch, capsys):
     assert main(["bench", "--backend", "embedded", *args, *base] if "--backend" not in args
                 else ["bench", *args, *base]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_openai_streams_are_read_to_their_end_so_the_connection_is_reused():
+    """httpx pools a connection only once its response body was read to the end: a client that
+    stops at `data: [DONE]` opens a connection per request (a TCP handshake in every TTFT)."""
+    import re
+
+    accepted = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer.get_extra_info("peername"))
+        try:
+            while True:  # HTTP/1.1 keep-alive: requests one after the other on this connection
+                head = await reader.readuntil(b"\r\n\r\n")
+                body = json.loads(await reader.readexactly(int(re.search(rb"content-length: *(\d+)", head, re.I)[1])))
+                tokens = body["max_tokens"]
+                events = [{"object": "text_completion", "choices": [{"index": 0, "text": "x" * tokens,
+                                                                      "finish_reason": "length"}]},
+                          {"object": "text_completion", "choices": [],
+                           "usage": {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens}}]
+                payload = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n"
+                             % len(payload) + payload)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        backend = OpenAIBackend(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", model="toy", timeout=10)
+        records = backend.run(PROMPTS, BenchSampling(max_tokens=4), Load(1))
+    finally:
+        async def shut_down() -> None:
+            server.close()
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        asyncio.run_coroutine_threadsafe(shut_down(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+    assert [r.error for r in records] == [None] * len(PROMPTS) and all(r.output_tokens == 4 for r in records)
+    assert len(accepted) == 1
