@@ -74,8 +74,10 @@ class LoadProfiler:
     """Samples the server's processes for `seconds` once the bench's log shows the run at
     `concurrency` (its progress bar, `c=N`), written after `offset` in that log."""
 
-    def __init__(self, server_pid: int, log_path: Path, offset: int, concurrency: int, seconds: float, out: Path):
-        self.server_pid, self.log_path, self.offset = server_pid, log_path, offset
+    def __init__(self, server_pid: int, log_path: Path, offset: int, concurrency: int, seconds: float, out: Path,
+                 client_pid: int | None = None):
+        """client_pid: the load's own process, sampled too (a client can be what caps a load)."""
+        self.server_pid, self.log_path, self.offset, self.client_pid = server_pid, log_path, offset, client_pid
         self.marker, self.seconds, self.out = f" c={concurrency}:", seconds, out
         self.summary: str | None = None
         self._tool = py_spy()
@@ -93,6 +95,8 @@ class LoadProfiler:
         if not processes:
             self.summary = f"py-spy: no Serve process found under the server's pid {self.server_pid}\n"
             return
+        if self.client_pid is not None:
+            processes["bench client"] = self.client_pid
         recorders = {role: subprocess.Popen(
             [self._tool, "record", "--nonblocking", "--threads", "--rate", str(RATE_HZ), "--duration",
              str(int(self.seconds)), "--format", "raw", "--output", str(self.out / f"{role}.txt"), "--pid", str(pid)],

@@ -18,9 +18,10 @@ for a CPU):
 Goals (issue 67): served colocated >= 0.9 x embedded in every cell, served split >= 0.85 x
 embedded (colocated), TTFT added by serving <= 2 ms at c 1.
 
-`--profile-concurrency C` also samples the server's processes with py-spy (`services/bench/py_spy.py`)
-under a gRPC load at c = C of its own after each topology's measured runs, long enough for the
-samples (the measured runs at c 32 last under a second on a GPU): where the served path's time goes.
+`--profile-concurrency C` also samples the server's processes and the bench's own with py-spy
+(`services/bench/py_spy.py`) under a load at c = C of its own (over `--profile-protocol`) after each
+topology's measured runs, long enough for the samples (the measured runs at c 32 last under a second on a
+GPU): where the served path's time goes.
 """
 
 from __future__ import annotations
@@ -144,15 +145,16 @@ def cli(*args: str) -> list[str]:
 def bench(case: Case, out: Path, temperature: float, backend: list[str], log, profile=None, *,
           concurrency: str | None = None, num_prompts: int | None = None) -> dict:
     """One `dflash bench` over the case's sets and loads (or `concurrency` and `num_prompts`); its
-    results.json. `profile(log_offset)`, if given, starts a `LoadProfiler` over the bench's log
-    from that offset."""
+    results.json. `profile(log_offset, bench_pid)`, if given, starts a `LoadProfiler` over the
+    bench's log from that offset."""
     command = cli("bench", *backend, *case.bench_flags, "--dataset", case.datasets,
                   "--concurrency", concurrency or case.concurrency, "--num-prompts", str(num_prompts or case.num_prompts),
                   "--max-tokens", str(case.max_tokens), "--temperature", str(temperature), "--out", str(out))
     print("$ " + " ".join(command[2:]), file=log, flush=True)
-    profiler = None if profile is None else profile(log.tell())
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    profiler = None if profile is None else profile(log.tell(), process.pid)
     try:
-        if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
+        if process.wait() != 0:
             raise RuntimeError(f"dflash bench failed ({' '.join(command[2:])}); its output is in {log.name}")
     finally:
         if profiler is not None:
@@ -226,26 +228,33 @@ def run_case(case: Case, out: Path, args: argparse.Namespace, log, results: list
         try:
             for t in case.temperatures:
                 grpc = ["--backend", "grpc", "--address", f"127.0.0.1:{args.grpc_port}"]
-                report = bench(case, out / f"{topology}-grpc-t{t:g}", t, grpc, log)
-                record(topology, "grpc", t, report)
-                if args.profile_concurrency and t == case.temperatures[0]:  # once per topology, over gRPC
-                    from dflash_serve.services.bench.py_spy import LoadProfiler
-
-                    c = args.profile_concurrency
-                    folder = out / f"profile-{topology}"
-
-                    def profile(offset, folder=folder, c=c):
-                        return LoadProfiler(server.process.pid, Path(log.name), offset, c, args.profile_seconds,
-                                            folder)
-                    bench(case, folder / "load", t, grpc, log, profile, concurrency=str(c),
-                          num_prompts=profile_prompts(report, c, args.profile_seconds))
                 openai = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{args.http_port}",
                           "--endpoint", "/v1/chat/completions" if case.chat else "/v1/completions"]
                 if not case.chat:  # random token prompts: the tokenizer tells the bench the vocabulary
                     openai += ["--tokenizer", case.engine_flags[case.engine_flags.index("--target") + 1]]
-                record(topology, "openai", t, bench(case, out / f"{topology}-openai-t{t:g}", t, openai, log))
+                for protocol, backend in (("grpc", grpc), ("openai", openai)):
+                    report = bench(case, out / f"{topology}-{protocol}-t{t:g}", t, backend, log)
+                    record(topology, protocol, t, report)
+                    if args.profile_concurrency and t == case.temperatures[0] and protocol == args.profile_protocol:
+                        profile_load(case, out / f"profile-{topology}", t, backend, log, server, report, args)
         finally:
             server.stop()
+
+
+def profile_load(case: Case, folder: Path, temperature: float, backend: list[str], log, server: Server,
+                 report: dict, args: argparse.Namespace) -> None:
+    """py-spy of the server's processes and of the bench's own under a load of its own at
+    --profile-concurrency, paced by the measured `report` to outlast the samples."""
+    from dflash_serve.services.bench.py_spy import LoadProfiler
+
+    c = args.profile_concurrency
+
+    def profile(offset: int, bench_pid: int) -> LoadProfiler:
+        return LoadProfiler(server.process.pid, Path(log.name), offset, c, args.profile_seconds, folder,
+                            client_pid=bench_pid)
+
+    bench(case, folder / "load", temperature, backend, log, profile, concurrency=str(c),
+          num_prompts=profile_prompts(report, c, args.profile_seconds))
 
 
 # -- the table -------------------------------------------------------------------------------------
@@ -298,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                              "this concurrency, after the measured runs (py-spy on PATH); raw stacks and a summary "
                              "in OUT/CASE/profile-TOPOLOGY")
     parser.add_argument("--profile-seconds", type=float, default=8.0)
+    parser.add_argument("--profile-protocol", choices=["grpc", "openai"], default="grpc",
+                        help="the protocol of the profiled load")
     args = parser.parse_args(argv)
     args.topologies = args.topologies.split(",")
     if not set(args.topologies) <= {"colocated", "split"}:
