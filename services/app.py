@@ -183,7 +183,7 @@ class RouterDeployment:
                              outputs_host=ray.util.get_node_ip_address(),
                              stream_messages_per_s=cfg.stream_messages_per_s,
                              registered_engines=_registered_engines if direct else None,
-                             forget_engine=_forget_engine)
+                             forget_engine=_forget_engine if direct else None)
         self.openai = OpenAIServer(self.router, cfg.model_name)
         self.ingress = None
         if cfg.ingress == "router":  # this replica serves the ports itself (Serve runs no proxy)

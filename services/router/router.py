@@ -133,6 +133,8 @@ class Router:
         self._in_flight: set[str] = set()  # request ids admitted and not yet finished
         self._model_info: dict | None = None  # the verifier's, fetched once
         self.verifier_outputs = OutputListener(outputs_host)
+        if (registered_engines is None) != (forget_engine is None):
+            raise ValueError("registered_engines and forget_engine go together: the direct intake needs both")
         self.direct = (DirectIntake(self.verifier_outputs, registered_engines, forget_engine)
                        if registered_engines is not None else None)
         # Tokenizing a long prompt takes milliseconds: off the event loop that streams every other
