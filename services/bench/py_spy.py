@@ -4,7 +4,8 @@ serving path's time goes (issue 67), from the same command that measures it.
     python -m dflash_serve.services.bench.serving_path ... --profile-concurrency 32
 
 The processes are found among the server's descendants by the titles Ray gives them: Serve's
-proxy, the Router and Verifier replicas, and the engine's process (the Verifier's child). Each is
+proxy, the Router and Verifier replicas, the engine's process (the Verifier's child) and, split, the
+drafter's actor. Each is
 sampled with `py-spy record --threads` (threads that run Python, not those waiting), into one raw
 file a process, and summarized as how busy it was and the functions most samples pass through.
 py-spy must be on PATH (`pip install py-spy`; it reads other processes' memory, which ptrace must
@@ -20,8 +21,8 @@ import threading
 import time
 from pathlib import Path
 
-# Process titles (Ray's `ray::ServeReplica:<app>:<deployment>`, `ray::ProxyActor`) by role.
-ROLES = {"proxy": "ProxyActor", "router": ":Router", "verifier": ":Verifier"}
+# Process titles (Ray's `ray::ServeReplica:<app>:<deployment>`, `ray::ProxyActor`, `ray::DrafterActor`) by role.
+ROLES = {"proxy": "ProxyActor", "router": ":Router", "verifier": ":Verifier", "drafter": "DrafterActor"}
 RATE_HZ = 200
 TOP_FUNCTIONS = 15
 
