@@ -23,6 +23,10 @@ def test_the_tiny_target_case_runs_embedded_and_served_over_both_protocols(tmp_p
     table = (tmp_path / "serving_path.md").read_text()
     assert capsys.readouterr().out.endswith(table)  # the table printed is the one written
     assert "| qwen3-8b-target | random | 0 | 1 |" in table and "colocated grpc" in table and "colocated openai" in table
+    # Both sides without a prefix cache: the server would find the later runs' prompts cached.
+    embedded = json.loads((tmp_path / "qwen3-8b-target" / "embedded-t0" / "results.json").read_text())
+    assert embedded["setup"]["prefix_caching"] is False
+    assert "--no-enable-prefix-caching" in serving_path.SAME_WORK
 
 
 def test_a_profile_summary_counts_each_function_once_per_sample(tmp_path):
@@ -78,3 +82,34 @@ def test_the_profile_load_lasts_the_samples_and_a_margin_at_the_measured_pace():
     failed = {"runs": [{"concurrency": 32, "completed": 0, "duration": 3.0}]}
     with pytest.raises(RuntimeError, match="no request completed at c=32"):
         serving_path.profile_prompts(failed, 32, 8.0)
+
+
+def test_the_profiled_processes_are_found_by_their_titles_the_drafter_actor_too(monkeypatch):
+    """`ps` as a split server shows it: the proxy, the two replicas, the engine process (the
+    Verifier's child) and the drafter's actor, all under the server; a Verifier elsewhere is not it."""
+    import subprocess
+
+    from dflash_serve.services.bench import py_spy
+
+    table = "\n".join([
+        "  100     1 python -m dflash_serve.services.cli serve",
+        "  101   100 /usr/bin/raylet --node-ip-address=127.0.0.1",
+        "  102   101 ray::ProxyActor",
+        "  103   101 ray::ServeReplica:dflash:Router",
+        "  104   101 ray::ServeReplica:dflash:Verifier",
+        "  105   104 python -m dflash_serve.services.verifier.engine_process",
+        "  106   101 ray::DrafterActor.address",
+        "  200     1 ray::ServeReplica:other:Verifier",
+    ]) + "\n"
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=table))
+    assert py_spy.server_processes(100) == {"proxy": 102, "router": 103, "verifier": 104, "engine": 105,
+                                            "drafter": 106}
+
+
+def test_the_table_without_embedded_rows_shows_the_served_ones_uncompared():
+    """--no-embedded into a fresh folder: nothing to divide by, so each served cell is its tok/s and TTFT."""
+    rows = [{"case": "default", "path": "split", "protocol": protocol, "temperature": 0.0, "dataset": "humaneval",
+             "concurrency": 32, "output_tok_s": tok_s, "ttft_mean_ms": 20.0, "failed": 0}
+            for protocol, tok_s in (("grpc", 15730.0), ("openai", 15481.0))]
+    assert serving_path.table(rows).splitlines()[2] == (
+        "| default | humaneval | 0 | 32 |  |  | 15,730 (TTFT 20.0 ms) | 15,481 (TTFT 20.0 ms) |")
