@@ -265,7 +265,7 @@ def test_text_too_long_for_the_context_is_refused_before_it_is_tokenized(tokeniz
     text = "the quick brown fox jumps over the lazy dog, naïvely " * 9
     assert len(text.encode()) <= len(tokenizer.encode(text)) * longest  # the bound holds for real text
     tokenized = []
-    router._tokenize = lambda request: tokenized.append(request) or [1, 2]
+    router._tokenize = lambda request, tokenizer: tokenized.append(request) or [1, 2]
     for request in (generation_pb2.GenerateRequest(prompt="a" * (limit + 1)),
                     generation_pb2.GenerateRequest(chat=chat(("system", "a" * limit), ("user", "b")))):
         responses, context = generate(router, request)
@@ -274,6 +274,37 @@ def test_text_too_long_for_the_context_is_refused_before_it_is_tokenized(tokeniz
     assert tokenized == []
     generate(router, generation_pb2.GenerateRequest(prompt="a" * limit))  # at the bound: tokenized
     assert len(tokenized) == 1
+
+
+def test_short_text_is_tokenized_on_the_loop_and_long_text_on_the_thread_each_with_its_own_tokenizer(tokenizer):
+    """A fast tokenizer must not be used by two threads at once: the loop's is a copy, and both give the
+    ids the tokenizer gives. Requests at once, a long one among short ones, all come through."""
+    import threading
+
+    from dflash_serve.services.router import router as router_module
+
+    verifier = FakeVerifier()
+    router = make_router(tokenizer, verifier, max_model_len=4096, max_pending=16)
+    assert router._loop_tokenizer is not router.tokenizer
+    used = []
+    tokenize = router._tokenize
+    router._tokenize = lambda request, tok: used.append((threading.current_thread().name, tok)) or tokenize(request, tok)
+    short = "the quick brown fox"
+    long = "jumps over the lazy dog " * (router_module.INLINE_TOKENIZE_BYTES // 24 + 1)
+    assert len(long.encode()) > router_module.INLINE_TOKENIZE_BYTES >= len(short.encode())
+
+    async def all_at_once():
+        async def one(text):
+            return [r async for r in router.Generate(generation_pb2.GenerateRequest(prompt=text), FakeContext())]
+
+        return await asyncio.gather(*(one(text) for text in [short, long, short, short]))
+
+    assert all(asyncio.run(all_at_once()))
+    ids = {tuple(call.prompt_ids) for call in verifier.calls}
+    assert ids == {tuple(tokenizer.encode(short)), tuple(tokenizer.encode(long))}
+    loop_thread = threading.main_thread().name
+    assert sorted((name == loop_thread, tok is router.tokenizer) for name, tok in used) == [
+        (False, True), (True, False), (True, False), (True, False)]
 
 
 def test_chat_without_a_chat_template_is_refused_saying_what_to_send(tokenizer):
