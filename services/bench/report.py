@@ -64,6 +64,8 @@ def markdown_report(setup: dict, runs: list[dict]) -> str:
         + (f"; engines compared in one process: {', '.join(setup['engines'])}, {setup['slices']} slices a run"
            + (f", {setup['passes']} passes on the same engines. " if setup.get("passes", 1) > 1 else ". ")
            if "engines" in setup else ". ") +
+        (f"A run under {setup['min_seconds']:g} s sent its prompts again until its runs lasted that long, "
+         "pooled (ok counts every request). " if setup.get("min_seconds") else "") +
         "Latencies in ms (mean / median / p99).",
         "",
         "| dataset | load | ok | failed | output tok/s | TTFT | TPOT | ITL | τ | τ per request | acceptance |",

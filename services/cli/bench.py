@@ -56,6 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                "arrivals; inf: all at once), as vLLM's bench")
     parser.add_argument("--max-concurrency", type=int, help="open loop: at most this many requests in flight")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each run")
+    parser.add_argument("--min-seconds", type=float, default=0.0,
+                        help="a run shorter than this sends its prompts again until its runs add up to it, and "
+                             "reports them pooled (short runs at high concurrency are noisy); not with --compare")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, help="request i gets seed + i; also seeds the random set and arrivals")
@@ -198,6 +201,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{conversations[0]!r} sends conversations, which need the server's chat template: "
                              "give --endpoint /v1/chat/completions")
         compared = _compared_engines(args, engine_flags)
+        if args.min_seconds < 0 or (compared and args.min_seconds):
+            raise ValueError("--min-seconds must be >= 0, and --compare times its engines on slices of one run "
+                             "instead (--passes runs it all again)")
         if args.backend == "embedded":
             from dflash_serve.services.engine.loader import build_engine
             from dflash_serve.services.gc_freeze import freeze_startup_objects
@@ -252,11 +258,11 @@ def run(args: argparse.Namespace) -> int:
                                passes=args.passes)
         setup.update(engines={name: b.describe() for name, b in backends.items()}, slices=slices, passes=args.passes)
     else:
-        runs = run_bench(backend, prompt_sets, loads, sampling, warmup=args.warmup)
+        runs = run_bench(backend, prompt_sets, loads, sampling, warmup=args.warmup, min_seconds=args.min_seconds)
     setup.update(datasets=list(prompt_sets), num_prompts=args.num_prompts,
                  loads=[load.describe() for load in loads],
-                 warmup=args.warmup, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                 ignore_eos=args.ignore_eos)
+                 warmup=args.warmup, min_seconds=args.min_seconds, max_tokens=args.max_tokens,
+                 temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos)
     if "random" in prompt_sets:
         setup.update(input_len=args.input_len, output_len=args.output_len)
     paths = write_report(args.out, setup, runs)

@@ -292,6 +292,38 @@ def check_known_acceptance(run: dict, requests: int) -> None:
     assert run["acceptance_per_position"] == pytest.approx([1.0, 1.0, 0.0, 0.0, 0.0])
 
 
+def test_a_run_shorter_than_min_seconds_sends_its_prompts_again_and_reports_them_pooled(model_pair):
+    """The set runs until its runs add up to min_seconds (a repeat takes a while: here, time is
+    made to pass 0.3 s a repeat); the pooled run counts every request and every round."""
+    target, drafter = model_pair
+    engine = build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=4, speculation="fixed",
+                                       synthetic_acceptance_length=3.0))
+    backend = EmbeddedBackend(engine)
+    repeats, events = [], []
+    run, clear = backend.run, backend.clear_prefix_cache
+
+    def slow_run(*args, **kwargs):
+        repeats.append(1)
+        events.append("run")
+        time.sleep(0.3)
+        return run(*args, **kwargs)
+
+    backend.run = slow_run
+    backend.clear_prefix_cache = lambda: events.append("clear") or clear()
+    (once,) = run_bench(backend, {"toy": PROMPTS}, [Load(4)], SAMPLING, warmup=0, show_progress=False)
+    assert once["repeats"] == 1
+    repeats.clear()
+    events.clear()
+    (pooled,) = run_bench(backend, {"toy": PROMPTS}, [Load(4)], SAMPLING, warmup=0, show_progress=False,
+                          min_seconds=0.8)
+    assert pooled["repeats"] == len(repeats) == 3 and pooled["duration_s"] >= 0.8
+    check_known_acceptance(pooled, 3 * len(PROMPTS))
+    assert events == ["clear", "run"] * 3  # each repeat starts from an empty prefix cache, as a run does
+    table = markdown_report({"target": target, "max_tokens": 7, "temperature": 0.0, "warmup": 0, "min_seconds": 0.8},
+                            [pooled])
+    assert "A run under 0.8 s sent its prompts again" in table and f"| {3 * len(PROMPTS)} | 0 |" in table
+
+
 def test_embedded_runs_at_each_concurrency(model_pair):
     target, drafter = model_pair
     engine = build_engine(EngineConfig(target=target, drafter=drafter, max_num_seqs=4, speculation="fixed",
@@ -513,6 +545,7 @@ def test_the_cli_compares_engines_in_one_process(model_pair, tmp_path, capsys):
     (["--compare", "ar,fixed", "--slices", "0"], "--slices must be positive"),
     (["--compare", "ar,fixed", "--passes", "0"], "--passes must be positive"),
     (["--compare", "ar,fixed", "--drafter", "none"], "needs a drafter"),
+    (["--compare", "ar,fixed", "--min-seconds", "5"], "--compare times its engines on slices of one run"),
 ])
 def test_the_cli_says_what_to_fix_in_a_comparison(model_pair, args, says, capsys):
     from dflash_serve.services.cli import main
