@@ -18,6 +18,9 @@ for a CPU):
 Goals (issue 67): served colocated >= 0.9 x embedded in every cell, served split >= 0.85 x
 embedded (colocated), TTFT added by serving <= 2 ms at c 1.
 
+Each case also times one-token requests at c 1 (`bench.first_token`) in the engine and through each
+server by a bare socket, httpx and grpc.aio: the server's share of the TTFT added, and the clients'.
+
 Both sides do the same work: no prefix cache on either (`SAME_WORK`), and at real size a run shorter
 than `MIN_RUN_SECONDS` sends its set again and reports the runs pooled (`dflash bench --min-seconds`).
 
@@ -175,6 +178,18 @@ def bench(case: Case, out: Path, temperature: float, backend: list[str], log, pr
     return json.loads((out / "results.json").read_text())
 
 
+def first_token(case: Case, path: str, probe: list[str], out: Path, requests: int, log) -> list[dict]:
+    """`bench.first_token` (one-token requests at c 1) in the engine or against the running server;
+    a row per client (`in-process` for the engine)."""
+    command = [sys.executable, "-m", "dflash_serve.services.bench.first_token", *probe, "--requests", str(requests),
+               "--out", str(out)]
+    print("$ " + " ".join(command[2:]), file=log, flush=True)
+    if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
+        raise RuntimeError(f"bench.first_token failed ({' '.join(command[2:])}); its output is in {log.name}")
+    return [{"case": case.name, "path": path, "protocol": "in-process" if client == "embedded" else client,
+             "first_token": summary} for client, summary in json.loads(out.read_text()).items()]
+
+
 def profile_prompts(report: dict, concurrency: int, seconds: float) -> int:
     """Prompts per set for a run at `concurrency` that lasts the profile's seconds and a margin, at
     the pace the measured run kept there (its sets' runs last well under a second at c 32 on a GPU)."""
@@ -231,6 +246,10 @@ def run_case(case: Case, out: Path, args: argparse.Namespace, log, results: list
         for t in case.temperatures:
             embedded = ["--embedded", *case.engine_flags, *SAME_WORK, *args.device_flags]
             record("embedded", "in-process", t, bench(case, out / f"embedded-t{t:g}", t, embedded, log))
+        if args.first_token_requests:
+            results += first_token(case, "embedded", ["--embedded", *case.engine_flags, *SAME_WORK, *args.device_flags],
+                                   out / "first-token-embedded.json", args.first_token_requests, log)
+            save()
     for topology in [t for t in case.topologies if t in args.topologies]:
         flags = [*case.engine_flags, *SAME_WORK, *args.device_flags, *args.serve_flags, "--topology", topology,
                  "--grpc-port", str(args.grpc_port),
@@ -249,6 +268,11 @@ def run_case(case: Case, out: Path, args: argparse.Namespace, log, results: list
                     record(topology, protocol, t, report)
                     if args.profile_concurrency and t == case.temperatures[0] and protocol == args.profile_protocol:
                         profile_load(case, out / f"profile-{topology}", t, backend, log, server, report, args)
+            if args.first_token_requests:
+                probe = ["--grpc", f"127.0.0.1:{args.grpc_port}", "--http", f"http://127.0.0.1:{args.http_port}"]
+                results += first_token(case, topology, probe, out / f"first-token-{topology}.json",
+                                       args.first_token_requests, log)
+                save()
         finally:
             server.stop()
 
@@ -302,6 +326,22 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def first_token_table(rows: list[dict]) -> str:
+    """Per case and path, each client's median first token of a one-token request at c 1, and what it
+    adds to the engine's."""
+    lines = ["| case | path | client | first token ms (median) | p10 / p90 | added to the engine's |",
+             "|---|---|---|---|---|---|"]
+    engine = {r["case"]: r["first_token"]["median_ms"] for r in rows if r["path"] == "embedded"}
+    order = {"embedded": 0, "colocated": 1, "split": 2}
+    clients = {"in-process": 0, "socket": 1, "httpx": 2, "grpc": 3}
+    for r in sorted(rows, key=lambda r: (r["case"], order[r["path"]], clients[r["protocol"]])):
+        ft = r["first_token"]
+        added = "" if r["path"] == "embedded" or r["case"] not in engine else f"{ft['median_ms'] - engine[r['case']]:+.2f}"
+        lines.append(f"| {r['case']} | {r['path']} | {r['protocol']} | {ft['median_ms']:.2f} | "
+                     f"{ft['p10_ms']:.2f} / {ft['p90_ms']:.2f} | {added} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", default="default", help="comma-separated: default, qwen3-8b-target, qwen3-8b-pair")
@@ -322,11 +362,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="py-spy the server's processes once per topology under a gRPC load of its own at "
                              "this concurrency, after the measured runs (py-spy on PATH); raw stacks and a summary "
                              "in OUT/CASE/profile-TOPOLOGY")
+    parser.add_argument("--first-token-requests", type=int,
+                        help="one-token requests at c 1 in the engine and, per topology, through the server by a "
+                             "bare socket, httpx and grpc.aio (`bench.first_token`: the server's share of the TTFT "
+                             "added and the client libraries'); 0: none (default: 200, 20 at --size tiny)")
     parser.add_argument("--profile-seconds", type=float, default=8.0)
     parser.add_argument("--profile-protocol", choices=["grpc", "openai"], default="grpc",
                         help="the protocol of the profiled load")
     args = parser.parse_args(argv)
     args.topologies = args.topologies.split(",")
+    if args.first_token_requests is None:
+        args.first_token_requests = 20 if args.size == "tiny" else 200
     if not set(args.topologies) <= {"colocated", "split"}:
         parser.error(f"--topologies takes colocated and/or split, got {','.join(args.topologies)!r}")
     out = Path(args.out)
@@ -368,7 +414,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(out / "bench.log", "a") as log:
         for name in names:
             run_case(known[name], out / name, args, log, results, save)
-    text = table(results)
+    text = table([r for r in results if "first_token" not in r])
+    probed = [r for r in results if "first_token" in r]
+    if probed:
+        text += "\n\n" + first_token_table(probed)
     (out / "serving_path.md").write_text(text + "\n")
     print(text)
     return 0

@@ -15,13 +15,19 @@ def test_the_tiny_target_case_runs_embedded_and_served_over_both_protocols(tmp_p
     assert serving_path.main(["--case", "qwen3-8b-target", "--size", "tiny", "--device", "cpu", "--out",
                               str(tmp_path), "--grpc-port", str(free_port()), "--http-port", str(free_port()),
                               "--metrics-port", str(free_port())]) == 0
-    results = json.loads((tmp_path / "serving_path.json").read_text())["results"]
+    everything = json.loads((tmp_path / "serving_path.json").read_text())["results"]
+    results = [r for r in everything if "first_token" not in r]
     paths = {(r["path"], r["protocol"], r["concurrency"]) for r in results}
     assert paths == {(path, protocol, c) for path, protocol in [("embedded", "in-process"), ("colocated", "grpc"),
                                                                  ("colocated", "openai")] for c in (1, 2)}
     assert all(r["failed"] == 0 and r["output_tok_s"] > 0 and r["ttft_mean_ms"] > 0 for r in results)
+    # The one-token probe: the engine, and the server by each client, 20 requests each after the warm-up.
+    probed = {(r["path"], r["protocol"]): r["first_token"] for r in everything if "first_token" in r}
+    assert set(probed) == {("embedded", "in-process"), *(("colocated", c) for c in ("socket", "httpx", "grpc"))}
+    assert all(p["requests"] == 20 and 0 < p["p10_ms"] <= p["median_ms"] <= p["p90_ms"] for p in probed.values())
     table = (tmp_path / "serving_path.md").read_text()
     assert capsys.readouterr().out.endswith(table)  # the table printed is the one written
+    assert "| qwen3-8b-target | colocated | socket |" in table and "added to the engine's" in table
     assert "| qwen3-8b-target | random | 0 | 1 |" in table and "colocated grpc" in table and "colocated openai" in table
     # Both sides without a prefix cache: the server would find the later runs' prompts cached.
     embedded = json.loads((tmp_path / "qwen3-8b-target" / "embedded-t0" / "results.json").read_text())
