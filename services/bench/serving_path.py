@@ -336,7 +336,8 @@ def first_token_table(rows: list[dict]) -> str:
     clients = {"in-process": 0, "socket": 1, "httpx": 2, "grpc": 3}
     for r in sorted(rows, key=lambda r: (r["case"], order[r["path"]], clients[r["protocol"]])):
         ft = r["first_token"]
-        added = "" if r["path"] == "embedded" or r["case"] not in engine else f"{ft['median_ms'] - engine[r['case']]:+.2f}"
+        base = engine.get(r["case"]) if r["path"] != "embedded" else None
+        added = "" if base is None else f"{ft['median_ms'] - base:+.2f}"
         lines.append(f"| {r['case']} | {r['path']} | {r['protocol']} | {ft['median_ms']:.2f} | "
                      f"{ft['p10_ms']:.2f} / {ft['p90_ms']:.2f} | {added} |")
     return "\n".join(lines)

@@ -288,7 +288,8 @@ def test_short_text_is_tokenized_on_the_loop_and_long_text_on_the_thread_each_wi
     assert router._loop_tokenizer is not router.tokenizer
     used = []
     tokenize = router._tokenize
-    router._tokenize = lambda request, tok: used.append((threading.current_thread().name, tok)) or tokenize(request, tok)
+    router._tokenize = lambda request, tok: (used.append((threading.current_thread().name, tok))
+                                             or tokenize(request, tok))
     short = "the quick brown fox"
     long = "jumps over the lazy dog " * (router_module.INLINE_TOKENIZE_BYTES // 24 + 1)
     assert len(long.encode()) > router_module.INLINE_TOKENIZE_BYTES >= len(short.encode())
