@@ -16,7 +16,6 @@ a path (median, p10, p90 in ms); `--out` writes them as JSON.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import socket
 import statistics
@@ -36,68 +35,21 @@ def summary(seconds: list[float]) -> dict:
             "p90_ms": round(ms[len(ms) * 9 // 10], 3), "requests": len(ms)}
 
 
-def embedded(engine, requests: int) -> list[float]:
-    """add_request to the step whose outputs hold the first token, as `dflash bench --embedded` times it."""
-    from dflash_serve.services.engine.sampling import SamplingParams
+def _one_token_runs(backend, requests: int) -> list[float]:
+    """Through one of `dflash bench`'s backends (the same clients and timing as its TTFT), c 1."""
+    from dflash_serve.services.bench.prompts import Prompt
+    from dflash_serve.services.bench.workload import BenchSampling, Load
 
-    times = []
-    for _ in range(WARMUP + requests):
-        t0, first = time.perf_counter(), None
-        request_id = engine.add_request(PROMPT_IDS, SamplingParams(max_tokens=1, temperature=0.0))
-        while True:
-            outputs = [o for o in engine.step() if o.request_id == request_id]
-            if first is None and any(o.new_token_ids for o in outputs):
-                first = time.perf_counter() - t0
-            if any(o.finished for o in outputs):
-                break
-        engine.release(request_id)
-        times.append(first)
-    return times
-
-
-def by_grpc(address: str, requests: int) -> list[float]:
-    import grpc
-
-    from dflash_serve.services.api.dflash.v1 import generation_pb2, generation_pb2_grpc
-
-    request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=PROMPT_IDS),
-                                             sampling=generation_pb2.SamplingParams(max_tokens=1, temperature=0.0))
-
-    async def run() -> list[float]:
-        times = []
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            for _ in range(WARMUP + requests):
-                t0, first = time.perf_counter(), None
-                async for _response in stub.Generate(request):
-                    first = first or time.perf_counter() - t0
-                times.append(first)
-        return times
-
-    return asyncio.run(run())
+    prompts = [Prompt("first-token", str(i), "", token_ids=tuple(PROMPT_IDS)) for i in range(WARMUP + requests)]
+    records = backend.run(prompts, BenchSampling(max_tokens=1, ignore_eos=True), Load(concurrency=1))
+    failed = [r.error for r in records if r.error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(records)} one-token requests failed: {failed[0]}")
+    return [r.ttft for r in records]
 
 
 def _completion_body(model: str) -> dict:
     return {"model": model, "prompt": PROMPT_IDS, "max_tokens": 1, "temperature": 0.0, "stream": True}
-
-
-def by_httpx(base_url: str, model: str, requests: int) -> list[float]:
-    import httpx
-
-    async def run() -> list[float]:
-        times = []
-        async with httpx.AsyncClient(base_url=base_url) as client:
-            for _ in range(WARMUP + requests):
-                t0, first = time.perf_counter(), None
-                async with client.stream("POST", "/v1/completions", json=_completion_body(model)) as response:
-                    response.raise_for_status()
-                    async for line in response.aiter_lines():
-                        if first is None and line.startswith("data:"):
-                            first = time.perf_counter() - t0
-                times.append(first)
-        return times
-
-    return asyncio.run(run())
 
 
 def by_socket(base_url: str, model: str, requests: int) -> list[float]:
@@ -126,12 +78,6 @@ def by_socket(base_url: str, model: str, requests: int) -> list[float]:
     return times
 
 
-def served_model(base_url: str) -> str:
-    import httpx
-
-    return httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
-
-
 def main(argv: list[str] | None = None) -> int:
     from dflash_serve.services.cli.flags import add_engine_flags, auto_device, given_config_flags, model_pair
     from dflash_serve.services.config import EngineConfig
@@ -146,20 +92,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.requests < 1 or not (args.embedded or args.grpc or args.http):
         parser.error("give --embedded, or a server's --grpc and/or --http; --requests must be positive")
+    from dflash_serve.services.bench.load_generators import EmbeddedBackend, GrpcBackend, OpenAIBackend
+
     probes: dict[str, Callable[[], list[float]]] = {}
     if args.embedded:
         from dflash_serve.services.engine.loader import build_engine
 
         flags = given_config_flags(args, EngineConfig)
         engine = build_engine(EngineConfig.load(flags, defaults={"device": auto_device(), **model_pair(flags)}))
-        probes["embedded"] = lambda: embedded(engine, args.requests)
+        probes["embedded"] = lambda: _one_token_runs(EmbeddedBackend(engine), args.requests)
     if args.grpc:
-        probes["grpc"] = lambda: by_grpc(args.grpc, args.requests)
+        probes["grpc"] = lambda: _one_token_runs(GrpcBackend(args.grpc), args.requests)
     if args.http:
-        base_url = args.http.rstrip("/")
-        model = served_model(base_url)
-        probes["httpx"] = lambda: by_httpx(base_url, model, args.requests)
-        probes["socket"] = lambda: by_socket(base_url, model, args.requests)
+        openai = OpenAIBackend(args.http)
+        openai.describe()  # the served model's name, from /v1/models
+        probes["httpx"] = lambda: _one_token_runs(openai, args.requests)
+        probes["socket"] = lambda: by_socket(openai.base_url, openai.model, args.requests)
     results = {path: summary(probe()) for path, probe in probes.items()}
     for path, r in results.items():
         print(f"{path}: first token {r['median_ms']:.3f} ms median (p10 {r['p10_ms']:.3f}, p90 {r['p90_ms']:.3f}; "

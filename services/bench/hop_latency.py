@@ -116,7 +116,7 @@ def _asyncio(port: int, message: bytes, messages: int) -> list[float]:
     return asyncio.run(run())
 
 
-def measure(messages: int, size: int, modes: tuple[str, ...] = MODES) -> dict:
+def measure(messages: int, size: int) -> dict:
     """Round-trip µs per mode, against an echoing process of its own."""
     context = multiprocessing.get_context("spawn")
     port_in, port_out = context.Pipe(duplex=False)
@@ -127,7 +127,7 @@ def measure(messages: int, size: int, modes: tuple[str, ...] = MODES) -> dict:
         message = os.urandom(size)
         senders = {"blocking": _blocking, "busy": _busy, "asyncio": _asyncio}
         results = {}
-        for mode in modes:
+        for mode in MODES:
             us = sorted(1e6 * t for t in senders[mode](port, message, messages))
             results[mode] = {"median_us": round(statistics.median(us), 1), "p90_us": round(us[len(us) * 9 // 10], 1),
                              "p99_us": round(us[len(us) * 99 // 100], 1)}
