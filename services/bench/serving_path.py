@@ -243,12 +243,12 @@ def run_case(case: Case, out: Path, args: argparse.Namespace, log, results: list
 
     out.mkdir(parents=True, exist_ok=True)  # the server's log lands here before any bench has written
     if args.embedded:
+        embedded = ["--embedded", *case.engine_flags, *SAME_WORK, *args.device_flags]
         for t in case.temperatures:
-            embedded = ["--embedded", *case.engine_flags, *SAME_WORK, *args.device_flags]
             record("embedded", "in-process", t, bench(case, out / f"embedded-t{t:g}", t, embedded, log))
         if args.first_token_requests:
-            results += first_token(case, "embedded", ["--embedded", *case.engine_flags, *SAME_WORK, *args.device_flags],
-                                   out / "first-token-embedded.json", args.first_token_requests, log)
+            results += first_token(case, "embedded", embedded, out / "first-token-embedded.json",
+                                   args.first_token_requests, log)
             save()
     for topology in [t for t in case.topologies if t in args.topologies]:
         flags = [*case.engine_flags, *SAME_WORK, *args.device_flags, *args.serve_flags, "--topology", topology,

@@ -75,10 +75,10 @@ _REPLICA_GONE = (RayActorError, NodeDiedError, ReplicaUnavailableError, StreamLo
 # each after Serve's health-check period (app.HEALTH_CHECK_PERIOD_S): by then Serve has seen the
 # lost replica fail its check and routes no more calls to it.
 LOST_REPLICA_RETRIES = 2
+LOST_REPLICA_RETRY_WAIT_S = 1.0
 # Text up to this size is tokenized on the event loop: the hop to the tokenizer thread and back costs more than
 # tokenizing it (an alpaca question with the chat template: 0.09 ms); longer text would hold the loop up.
 INLINE_TOKENIZE_BYTES = 4096
-LOST_REPLICA_RETRY_WAIT_S = 1.0
 
 
 class RpcFailed(Exception):
