@@ -1,9 +1,9 @@
 """The first token of a one-token request at c 1, in the engine and through a running server by three
-clients: where the TTFT that serving adds goes (issue 67). The bench's own clients (grpc.aio, httpx)
+clients: where the TTFT that serving adds goes (issue 67). The bench's own clients (grpc.aio, aiohttp)
 cost something of their own; a bare socket speaking HTTP/1.1 costs next to nothing, so
 
     served by socket − engine   = the server's share (router, the hops, the engine process's intake)
-    served by grpc/httpx − socket = the client library's share
+    served by grpc/aiohttp − socket = the client library's share
 
     python -m dflash_serve.services.bench.first_token --embedded [engine flags, as `dflash generate`]
     python -m dflash_serve.services.bench.first_token --grpc 127.0.0.1:9000 --http http://127.0.0.1:8000
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--embedded", action="store_true", help="the engine in this process (engine flags below)")
     parser.add_argument("--grpc", help="a server's gRPC address (host:port)")
-    parser.add_argument("--http", help="a server's base URL (http://host:port), for httpx and the bare socket")
+    parser.add_argument("--http", help="a server's base URL (http://host:port), for aiohttp and the bare socket")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--out", help="write the results as JSON here")
     add_engine_flags(parser)
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.http:
         openai = OpenAIBackend(args.http)
         openai.describe()  # the served model's name, from /v1/models
-        probes["httpx"] = lambda: _one_token_runs(openai, args.requests)
+        probes["aiohttp"] = lambda: _one_token_runs(openai, args.requests)
         probes["socket"] = lambda: by_socket(openai.base_url, openai.model, args.requests)
     results = {path: summary(probe()) for path, probe in probes.items()}
     for path, r in results.items():

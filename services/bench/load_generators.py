@@ -314,32 +314,36 @@ class OpenAIBackend:
         return asyncio.run(self._run(items, sampling, load, progress))
 
     async def _run(self, items, sampling, load, progress) -> list[RequestRecord]:
-        import httpx
+        # aiohttp, as vLLM's bench: httpx's pool costs a stream's first event ~9 ms at c 32 on
+        # the CI machine against aiohttp's ~1.5 ms (`bench.sse_clients`, BENCHMARKS), which the
+        # served TTFT would otherwise carry.
+        import aiohttp
 
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=load.concurrency or len(items))
-        async with httpx.AsyncClient(base_url=self.base_url, headers=self.headers, limits=limits,
-                                     timeout=httpx.Timeout(self.timeout, connect=10.0)) as client:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=self.timeout)
+        async with aiohttp.ClientSession(headers=self.headers, timeout=timeout, read_bufsize=SSE_READ_BUFSIZE,
+                                         connector=aiohttp.TCPConnector(limit=0)) as client:
 
             async def send(index: int, prompt: Prompt) -> RequestRecord:
                 body = self.payload(index, prompt, sampling)
                 record = RequestRecord(start=time.perf_counter())
                 try:
                     await self._one(client, body, record)
-                except httpx.HTTPError as err:
-                    record.error = type(err).__name__  # ConnectError, ReadTimeout, ...
+                except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+                    record.error = _http_error_code(err)
                 record.end = time.perf_counter()
                 return record
 
             return await _drive(items, load, send, progress)
 
     async def _one(self, client, body: dict, record: RequestRecord) -> None:
-        async with client.stream("POST", self.endpoint, json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                record.error = f"HTTP_{response.status_code}"
+        async with client.post(self.base_url + self.endpoint, json=body) as response:
+            if response.status != 200:
+                await response.read()
+                record.error = f"HTTP_{response.status}"
                 return
             usage, done = None, False
-            async for line in response.aiter_lines():
+            async for raw in response.content:  # one SSE line at a time
+                line = raw.decode().rstrip("\r\n")
                 if done or not line.startswith("data:"):
                     continue  # blank separators, SSE comments and fields; anything after [DONE]
                 data = line[len("data:"):].strip()
@@ -360,6 +364,23 @@ class OpenAIBackend:
             record.error = "INCOMPLETE"  # no [DONE], or no usage although include_usage asked for it
             return
         record.input_tokens, record.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+
+
+# An SSE line longer than aiohttp's default read buffer (64 KiB) would fail the stream; a chunk
+# carrying a long text or the final statistics stays well under this.
+SSE_READ_BUFSIZE = 1 << 20
+
+
+def _http_error_code(err: BaseException) -> str:
+    """A failed request's error code: ConnectError (nothing listens), ReadTimeout, or the
+    exception's type (ServerDisconnectedError, ...)."""
+    import aiohttp
+
+    if isinstance(err, aiohttp.ClientConnectorError):
+        return "ConnectError"
+    if isinstance(err, asyncio.TimeoutError):
+        return "ReadTimeout"
+    return type(err).__name__
 
 
 def _take_stats(record: RequestRecord, rounds: int, drafted: int, accepted: int, per_position) -> None:

@@ -19,7 +19,7 @@ Goals (issue 67): served colocated >= 0.9 x embedded in every cell, served split
 embedded (colocated), TTFT added by serving <= 2 ms at c 1.
 
 Each case also times one-token requests at c 1 (`bench.first_token`) in the engine and through each
-server by a bare socket, httpx and grpc.aio: the server's share of the TTFT added, and the clients'.
+server by a bare socket, aiohttp and grpc.aio: the server's share of the TTFT added, and the clients'.
 
 Both sides do the same work: no prefix cache on either (`SAME_WORK`), and at real size a run shorter
 than `MIN_RUN_SECONDS` sends its set again and reports the runs pooled (`dflash bench --min-seconds`).
@@ -333,7 +333,7 @@ def first_token_table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|"]
     engine = {r["case"]: r["first_token"]["median_ms"] for r in rows if r["path"] == "embedded"}
     order = {"embedded": 0, "colocated": 1, "split": 2}
-    clients = {"in-process": 0, "socket": 1, "httpx": 2, "grpc": 3}
+    clients = {"in-process": 0, "socket": 1, "aiohttp": 2, "grpc": 3}
     for r in sorted(rows, key=lambda r: (r["case"], order[r["path"]], clients[r["protocol"]])):
         ft = r["first_token"]
         base = engine.get(r["case"]) if r["path"] != "embedded" else None
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                              "in OUT/CASE/profile-TOPOLOGY")
     parser.add_argument("--first-token-requests", type=int,
                         help="one-token requests at c 1 in the engine and, per topology, through the server by a "
-                             "bare socket, httpx and grpc.aio (`bench.first_token`: the server's share of the TTFT "
+                             "bare socket, aiohttp and grpc.aio (`bench.first_token`: the server's share of the TTFT "
                              "added and the client libraries'); 0: none (default: 200, 20 at --size tiny)")
     parser.add_argument("--profile-seconds", type=float, default=8.0)
     parser.add_argument("--profile-protocol", choices=["grpc", "openai"], default="grpc",

@@ -23,7 +23,7 @@ def test_the_tiny_target_case_runs_embedded_and_served_over_both_protocols(tmp_p
     assert all(r["failed"] == 0 and r["output_tok_s"] > 0 and r["ttft_mean_ms"] > 0 for r in results)
     # The one-token probe: the engine, and the server by each client, 20 requests each after the warm-up.
     probed = {(r["path"], r["protocol"]): r["first_token"] for r in everything if "first_token" in r}
-    assert set(probed) == {("embedded", "in-process"), *(("colocated", c) for c in ("socket", "httpx", "grpc"))}
+    assert set(probed) == {("embedded", "in-process"), *(("colocated", c) for c in ("socket", "aiohttp", "grpc"))}
     assert all(p["requests"] == 20 and 0 < p["p10_ms"] <= p["median_ms"] <= p["p90_ms"] for p in probed.values())
     table = (tmp_path / "serving_path.md").read_text()
     assert capsys.readouterr().out.endswith(table)  # the table printed is the one written

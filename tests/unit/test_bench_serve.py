@@ -944,7 +944,7 @@ def test_the_cli_says_what_to_fix(openai, args, says, monkeypatch, capsys):
 
 
 def test_openai_streams_are_read_to_their_end_so_the_connection_is_reused():
-    """httpx pools a connection only once its response body was read to the end: a client that
+    """A client pools a connection only once its response body was read to the end: one that
     stops at `data: [DONE]` opens a connection per request (a TCP handshake in every TTFT)."""
     import re
 
