@@ -314,9 +314,9 @@ class OpenAIBackend:
         return asyncio.run(self._run(items, sampling, load, progress))
 
     async def _run(self, items, sampling, load, progress) -> list[RequestRecord]:
-        # aiohttp, as vLLM's bench: httpx's pool costs a stream's first event ~9 ms at c 32 on
-        # the CI machine against aiohttp's ~1.5 ms (`bench.sse_clients`, BENCHMARKS), which the
-        # served TTFT would otherwise carry.
+        # aiohttp, as vLLM's bench: at c 32 httpx reads a stream's first event 6-14 ms after the
+        # request on the CI machine, aiohttp 1.7-2 ms (`bench.sse_clients`, BENCHMARKS), and the
+        # served TTFT would carry the difference.
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=self.timeout)
