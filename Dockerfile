@@ -49,6 +49,7 @@ RUN python3 -m venv /opt/venv \
         gguf==0.19.0 \
         accelerate==1.15.0 \
         matplotlib==3.11.2 \
+        aiohttp==3.14.5 \
         httpx==0.28.1 \
         prometheus-client==0.26.0
 
