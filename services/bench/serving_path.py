@@ -353,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpc-port", type=int, default=9000)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=8080)
-    parser.add_argument("--topologies", default="colocated,split", help="the served topologies to run (of a case's)")
+    parser.add_argument("--topologies", default="colocated,split",
+                        help="the served topologies to run (of a case's); none: the embedded rows only (a later "
+                             "--no-embedded run adds the served ones, for a case too long for one sitting)")
     parser.add_argument("--serve-flag", dest="serve_flags", action="append", default=[],
                         help="a flag for every `dflash serve` only, e.g. --serve-flag=--cuda-mps (repeatable)")
     parser.add_argument("--no-embedded", dest="embedded", action="store_false",
@@ -371,11 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-protocol", choices=["grpc", "openai"], default="grpc",
                         help="the protocol of the profiled load")
     args = parser.parse_args(argv)
-    args.topologies = args.topologies.split(",")
+    args.topologies = [] if args.topologies == "none" else args.topologies.split(",")
     if args.first_token_requests is None:
         args.first_token_requests = 20 if args.size == "tiny" else 200
     if not set(args.topologies) <= {"colocated", "split"}:
-        parser.error(f"--topologies takes colocated and/or split, got {','.join(args.topologies)!r}")
+        parser.error(f"--topologies takes colocated and/or split, or none, got {','.join(args.topologies)!r}")
+    if not args.topologies and not args.embedded:
+        parser.error("--topologies none with --no-embedded runs nothing")
     out = Path(args.out)
     models = Path(args.models) if args.models else out / "models"
     import torch
@@ -406,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     results_path = out / "serving_path.json"
     kept = json.loads(results_path.read_text())["results"] if results_path.exists() else []
     paths = set(args.topologies) | ({"embedded"} if args.embedded else set())
-    results = [r for r in kept if r["case"] not in names or r["path"] not in paths]  # rows run again are replaced
+    results = rows_kept(kept, names, paths, first_token=args.first_token_requests > 0)
 
     def save() -> None:
         results_path.write_text(json.dumps({"size": args.size, "device": _device_name(device),
@@ -422,6 +426,15 @@ def main(argv: list[str] | None = None) -> int:
     (out / "serving_path.md").write_text(text + "\n")
     print(text)
     return 0
+
+
+def rows_kept(kept: list[dict], cases: list[str], paths: set[str], *, first_token: bool) -> list[dict]:
+    """The rows of an earlier run in --out that this run does not measure again: other cases, other
+    paths, and the first-token rows of a run without probes."""
+    def run_again(r: dict) -> bool:
+        return r["case"] in cases and r["path"] in paths and (first_token or "first_token" not in r)
+
+    return [r for r in kept if not run_again(r)]
 
 
 def _device_name(device: str) -> str:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dflash_serve.services.bench import serving_path
 from tests.integration.conftest import free_port
 
@@ -53,8 +55,6 @@ def test_a_profile_summary_counts_each_function_once_per_sample(tmp_path):
 
 
 def test_profiling_without_py_spy_says_what_to_install(monkeypatch):
-    import pytest
-
     from dflash_serve.services.bench import py_spy
 
     monkeypatch.setenv("PATH", "/nonexistent")
@@ -63,8 +63,6 @@ def test_profiling_without_py_spy_says_what_to_install(monkeypatch):
 
 
 def test_a_profile_at_a_load_the_case_never_runs_is_refused_before_anything_starts(tmp_path, capsys):
-    import pytest
-
     with pytest.raises(SystemExit):
         serving_path.main(["--case", "qwen3-8b-target", "--size", "tiny", "--device", "cpu", "--out", str(tmp_path),
                            "--profile-concurrency", "32"])
@@ -83,8 +81,6 @@ def test_the_profile_load_lasts_the_samples_and_a_margin_at_the_measured_pace():
     assert serving_path.profile_prompts(report, 1, 8.0) == 29  # one set at 0.42 s a prompt
     slow = {"runs": [{"concurrency": 32, "completed": 32, "duration": 60.0}]}
     assert serving_path.profile_prompts(slow, 32, 8.0) == 32  # never fewer prompts than the concurrency
-    import pytest
-
     failed = {"runs": [{"concurrency": 32, "completed": 0, "duration": 3.0}]}
     with pytest.raises(RuntimeError, match="no request completed at c=32"):
         serving_path.profile_prompts(failed, 32, 8.0)
@@ -119,3 +115,24 @@ def test_the_table_without_embedded_rows_shows_the_served_ones_uncompared():
             for protocol, tok_s in (("grpc", 15730.0), ("openai", 15481.0))]
     assert serving_path.table(rows).splitlines()[2] == (
         "| default | humaneval | 0 | 32 |  |  | 15,730 (TTFT 20.0 ms) | 15,481 (TTFT 20.0 ms) |")
+
+
+def test_a_run_replaces_only_the_rows_it_measures_again():
+    rows = [{"case": "default", "path": "embedded", "output_tok_s": 1.0},
+            {"case": "default", "path": "colocated", "output_tok_s": 2.0},
+            {"case": "default", "path": "colocated", "first_token": {"median_ms": 3.0}},
+            {"case": "default", "path": "split", "output_tok_s": 4.0},
+            {"case": "qwen3-8b-target", "path": "colocated", "output_tok_s": 5.0}]
+    # colocated again without probes: its first-token row stays, as do other paths and cases
+    assert serving_path.rows_kept(rows, ["default"], {"colocated"}, first_token=False) == [rows[0], *rows[2:]]
+    assert serving_path.rows_kept(rows, ["default"], {"colocated"}, first_token=True) == [rows[0], *rows[3:]]
+    assert serving_path.rows_kept(rows, ["default"], set(), first_token=True) == rows  # nothing run again
+
+
+@pytest.mark.parametrize("flags, says", [(["--topologies", "none", "--no-embedded"], "runs nothing"),
+                                         (["--topologies", "both"], "colocated and/or split, or none")])
+def test_topologies_that_run_nothing_or_do_not_exist_are_refused(flags, says, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        serving_path.main(["--case", "qwen3-8b-target", "--size", "tiny", "--device", "cpu", "--out", str(tmp_path),
+                           *flags])
+    assert says in capsys.readouterr().err
