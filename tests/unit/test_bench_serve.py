@@ -14,6 +14,7 @@ import asyncio
 import collections
 import itertools
 import json
+import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -988,3 +989,15 @@ def test_openai_streams_are_read_to_their_end_so_the_connection_is_reused():
         loop.close()
     assert [r.error for r in records] == [None] * len(PROMPTS) and all(r.output_tokens == 4 for r in records)
     assert len(accepted) == 1
+
+
+def test_an_openai_server_that_stops_answering_is_a_read_timeout():
+    """A request whose server accepts it and then says nothing fails as ReadTimeout after --timeout."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = silent.getsockname()[1]
+        backend = OpenAIBackend(f"http://127.0.0.1:{port}", model=openai_server.MODEL, timeout=0.5)
+        (record,) = backend.run(PROMPTS[:1], SAMPLING, Load(1))
+        assert record.error == "ReadTimeout"
+    finally:
+        silent.close()
