@@ -167,7 +167,7 @@ class FrameListener:
             conn, _ = self._sock.accept()
         except TimeoutError:
             raise TimeoutError(f"no peer connected to {self.address} within {timeout} s") from None
-        except OSError as err:
+        except OSError:
             if self._closed:
                 raise ChannelClosed(f"the listener at {self.address} is closed") from None
             raise
