@@ -18,21 +18,23 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import numpy as np
+
 PROMPT_IDS = list(range(100, 116))
 WARMUP = 10
 
 
 def summary(seconds: list[float]) -> dict:
-    ms = sorted(1e3 * s for s in seconds[WARMUP:])
-    return {"median_ms": round(statistics.median(ms), 3), "p10_ms": round(ms[len(ms) // 10], 3),
-            "p90_ms": round(ms[len(ms) * 9 // 10], 3), "requests": len(ms)}
+    ms = [1e3 * s for s in seconds[WARMUP:]]
+    p10, median, p90 = np.percentile(ms, [10, 50, 90])
+    return {"median_ms": round(float(median), 3), "p10_ms": round(float(p10), 3), "p90_ms": round(float(p90), 3),
+            "requests": len(ms)}
 
 
 def _one_token_runs(backend, requests: int) -> list[float]:

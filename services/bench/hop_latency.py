@@ -17,19 +17,36 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
 import platform
 import selectors
 import socket
-import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import numpy as np
 
 MODES = ("blocking", "busy", "asyncio")
 WARMUP = 200
+
+
+@contextlib.contextmanager
+def process_on_a_port(target: Callable, *args) -> Iterator[int]:
+    """A spawned helper process `target(port_out, *args)` that listens on a loopback port and sends
+    it through `port_out` first; yields the port, and kills the process at the end."""
+    context = multiprocessing.get_context("spawn")
+    port_in, port_out = context.Pipe(duplex=False)
+    process = context.Process(target=target, args=(port_out, *args), daemon=True)
+    process.start()
+    try:
+        yield port_in.recv()
+    finally:
+        process.kill()
+        process.join()
 
 
 def _echo_forever(port_out) -> None:
@@ -118,22 +135,15 @@ def _asyncio(port: int, message: bytes, messages: int) -> list[float]:
 
 def measure(messages: int, size: int) -> dict:
     """Round-trip µs per mode, against an echoing process of its own."""
-    context = multiprocessing.get_context("spawn")
-    port_in, port_out = context.Pipe(duplex=False)
-    echo = context.Process(target=_echo_forever, args=(port_out,), daemon=True)
-    echo.start()
-    try:
-        port = port_in.recv()
+    with process_on_a_port(_echo_forever) as port:
         message = os.urandom(size)
         senders = {"blocking": _blocking, "busy": _busy, "asyncio": _asyncio}
         results = {}
         for mode in MODES:
-            us = sorted(1e6 * t for t in senders[mode](port, message, messages))
-            results[mode] = {"median_us": round(statistics.median(us), 1), "p90_us": round(us[len(us) * 9 // 10], 1),
-                             "p99_us": round(us[len(us) * 99 // 100], 1)}
-    finally:
-        echo.terminate()
-        echo.join()
+            us = [1e6 * t for t in senders[mode](port, message, messages)]
+            median, p90, p99 = np.percentile(us, [50, 90, 99])
+            results[mode] = {"median_us": round(float(median), 1), "p90_us": round(float(p90), 1),
+                             "p99_us": round(float(p99), 1)}
     return {"machine": {"kernel": platform.release(), "cpus": os.cpu_count()}, "messages": messages, "bytes": size,
             "modes": results}
 

@@ -68,7 +68,7 @@ def run_bench(backend, prompt_sets: dict[str, list[Prompt]], loads: Sequence[Loa
                 start, repeats = time.perf_counter(), 1
                 records = backend.run(prompts, sampling, load, bar.update)
                 while time.perf_counter() - start < min_seconds:
-                    getattr(backend, "clear_prefix_cache", lambda: None)()
+                    _clear_prefix_cache(backend)
                     bar.total += len(prompts)
                     records += backend.run(prompts, sampling, load, bar.update)
                     repeats += 1
@@ -165,6 +165,11 @@ def _warm_up(backend, prompts: list[Prompt], sampling: BenchSampling, load: Load
     """`warmup` unmeasured requests, closed loop; then the embedded engine's prefix cache is emptied."""
     if warmup:
         backend.run(prompts[:warmup], sampling, Load(concurrency=min(warmup, load.concurrency or warmup)))
+    _clear_prefix_cache(backend)
+
+
+def _clear_prefix_cache(backend) -> None:
+    """The embedded engine's prefix cache emptied; a server's is out of the bench's reach."""
     getattr(backend, "clear_prefix_cache", lambda: None)()
 
 
