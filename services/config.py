@@ -276,6 +276,12 @@ class ServeConfig(_Config):
                                                 "one node (Ray places the pair with a STRICT_PACK placement group, "
                                                 "and waits while no node has both free). Needs topology split, a "
                                                 "drafter and engine.device cuda.")
+    engine_adoption_s: float = Field(60.0, ge=0, description="How long the engine process of a verifier replica "
+                                     "that died waits, serving the requests it holds, for the next replica on the "
+                                     "same node and GPU to adopt it: that replica then serves in seconds, with the "
+                                     "models, KV cache and graphs already there (the same code and configuration "
+                                     "only; another makes it exit first). Its GPU memory stays taken meanwhile. 0: "
+                                     "it dies with its replica.")
 
     @model_validator(mode="after")
     def _consistent(self) -> ServeConfig:

@@ -6,8 +6,10 @@ default pair is 1-4 ms of host work, so every millisecond they held it the GPU i
 the serving path). So the engine has a process of its own, as vLLM's engine core has: the replica
 (`Verifier`) starts it, sends it requests and cancellations over a pipe, and hears back once a
 step at most; after each step this process writes every request's new outputs straight to the
-routers' output streams (`output_stream`). It dies with the replica (PR_SET_PDEATHSIG, and the
-pipe's end), so a killed replica frees its GPU and closes its routers' streams at once.
+routers' output streams (`output_stream`). When the replica dies, the pipe's end closes: the
+process waits up to `engine_adoption_s` for the next replica on its GPU to adopt it, serving the
+requests it holds meanwhile (`adoption`), and exits if none does; with `engine_adoption_s` 0 it
+dies with the replica (PR_SET_PDEATHSIG), which frees its GPU and closes its routers' streams at once.
 
 The pipe carries pickled lists of messages, one list a send:
   replica -> engine: ("config", dict, record_metrics, intake_host) first, then ("drafter", address) |
@@ -17,6 +19,8 @@ The pipe carries pickled lists of messages, one list a send:
                      ("stats", token, dict) | ("metrics", events) | ("drafter_lost",) | ("log", record) |
                      ("loop_error", text)
 An `ended` error is (exception type name, message); `metrics` carries `MetricEvents`' events.
+A replica that adopts an orphan sends ("adopt", identity) first instead, and hears ("ready", info)
+or ("refused", why) (`adoption`).
 
 Routers may also skip the replica: the loop listens for their direct intakes (`output_stream`), at
 the address `ready` reports, and reads their requests and cancellations between steps.
@@ -25,6 +29,7 @@ the address `ready` reports, and reads their requests and cancellations between 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import logging
 import logging.handlers
@@ -42,6 +47,7 @@ from multiprocessing.connection import Connection
 from dflash_serve.services.config import ServeConfig
 from dflash_serve.services.engine.request import RequestOutput, SpecStats
 from dflash_serve.services.engine.stopping import FinishReason
+from dflash_serve.services.verifier import adoption
 from dflash_serve.services.verifier.engine_metrics import MetricEvents, RequestTimings
 from dflash_serve.services.verifier.output_stream import (
     LOOP_STOPPED,
@@ -78,17 +84,25 @@ class ReplicaGone(Exception):
     """The replica's end of the pipe closed: it exited or was killed."""
 
 
+class NotAdopted(Exception):
+    """An orphan's time to be adopted ran out, or a replica of another identity refused it."""
+
+
 class EngineLoop:
     """Continuous batching over the engine: requests join and leave between steps. After every
     step, one frame to each router with all of its requests' new outputs, and one message to the
     replica with the calls that ended (and, every METRICS_PERIOD_S, the metric events)."""
 
     def __init__(self, engine, pipe: Pipe, config: ServeConfig, *, record_metrics: bool, intake_host: str,
-                 draft_block_size: int = 0):
-        """intake_host: the address routers reach this loop's direct intake at."""
+                 draft_block_size: int = 0, identity: str = ""):
+        """intake_host: the address routers reach this loop's direct intake at; identity: what a
+        replica adopting this process must offer (`adoption.identity`)."""
         self.engine = engine
         self.pipe = pipe
         self.config = config
+        self.identity = identity
+        self._orphan: adoption.OrphanListener | None = None  # listening for a replica to adopt it
+        self._orphaned_at = 0.0
         self.draft_block_size = draft_block_size
         self.metrics = MetricEvents() if record_metrics else None
         self._shared = []  # shared buffers the drafter maps; alive as long as this process
@@ -156,6 +170,8 @@ class EngineLoop:
             self._loop()
         except ReplicaGone:
             log.info("the verifier replica is gone: the engine process exits")
+        except NotAdopted as why:
+            log.info("not adopted (%s): the engine process exits", why)
         except BaseException as err:  # noqa: BLE001 - nothing may leave requests waiting forever
             text = f"{type(err).__name__}: {err}"
             log.exception("the engine loop stopped; this replica fails its health check from now on")
@@ -172,6 +188,8 @@ class EngineLoop:
             for channel in (*self._channels.values(), *self._intakes):
                 channel.close()
             self._intake_server.close()
+            if self._orphan is not None:
+                self._orphan.close()
 
     def _loop(self) -> None:
         engine = self.engine
@@ -183,6 +201,11 @@ class EngineLoop:
                 if self.metrics is not None:
                     self._queue_gauges()
                 self._drop_silent_intakes(now)
+                if self._orphan is not None:
+                    if now - self._orphaned_at > self.config.engine_adoption_s:
+                        raise NotAdopted(f"no replica adopted it within {self.config.engine_adoption_s:g} s")
+                    if adoption.cluster_gone():
+                        raise NotAdopted("its Ray node ended")
                 next_gauges = now + GAUGE_PERIOD_S
             busy = engine.has_unfinished()
             self._read_messages(0 if busy else CONNECTING_WAIT_S if self._connecting else IDLE_WAIT_S)
@@ -222,6 +245,8 @@ class EngineLoop:
         for key, _ in self._selector.select(timeout):
             if key.fileobj is self.pipe.conn:
                 self._read_pipe()
+            elif key.fileobj is self._orphan:
+                self._offered()
             elif key.fileobj is self._intake_server:
                 self._accept_intakes()
             else:
@@ -236,7 +261,62 @@ class EngineLoop:
                 if not conn.poll(0):
                     return
         except (EOFError, OSError) as err:
+            self._replica_gone(err)
+
+    # -- adoption (`adoption`) -------------------------------------------------------------------
+
+    def _replica_gone(self, err: Exception) -> None:
+        """The pipe closed: wait for a new replica to adopt this process, or (engine_adoption_s 0) end."""
+        if self.config.engine_adoption_s <= 0:
             raise ReplicaGone() from err
+        self._selector.unregister(self.pipe.conn)
+        self.pipe.conn.close()
+        self._replies.clear()
+        # The requests that came through the replica: their Serve calls died with it, and the
+        # router retries or fails them; only the routers' direct requests go on.
+        for request_id, channel in list(self._requests.items()):
+            if not channel.direct:
+                self._cancel(request_id)
+        for _, adds in self._connecting.values():
+            adds.clear()
+        self._orphan = adoption.OrphanListener()
+        self._orphaned_at = time.monotonic()
+        self._selector.register(self._orphan, selectors.EVENT_READ)
+        log.warning("the verifier replica is gone: serving %d request(s) in flight and waiting up to %g s for a new "
+                    "replica to adopt this engine (pid %d)", len(self._requests), self.config.engine_adoption_s,
+                    os.getpid())
+
+    def _offered(self) -> None:
+        """A replica offers to adopt this orphan: it does if their identities match."""
+        try:
+            conn = self._orphan.accept()
+        except OSError:
+            return
+        try:
+            if not conn.poll(adoption.OFFER_TIMEOUT_S):
+                raise TimeoutError("no offer")
+            kind, identity = conn.recv()
+        except (OSError, EOFError, TimeoutError, ValueError) as err:
+            log.info("a connection to the adoption socket made no offer: %s", err)
+            conn.close()
+            return
+        if kind != "adopt" or identity != self.identity:
+            with contextlib.suppress(OSError):
+                conn.send(("refused", "another identity (code, configuration, metrics or intake host)"))
+            raise NotAdopted("a new replica with another code or configuration refused it")
+        try:
+            conn.send(("ready", self.info()))
+        except OSError as err:
+            log.info("the adopting replica went away: %s", err)
+            return
+        self._selector.unregister(self._orphan)
+        self._orphan.close()
+        self._orphan = None
+        self.pipe.conn = conn
+        self._selector.register(conn, selectors.EVENT_READ)
+        self._drafter_lost_sent = False  # the new replica's drafter actor reattaches on hearing it
+        log.info("adopted by a new verifier replica after %.1f s; serving %d request(s)",
+                 time.monotonic() - self._orphaned_at, len(self._requests))
 
     def _accept_intakes(self) -> None:
         while True:
@@ -294,10 +374,12 @@ class EngineLoop:
         if not self._replies:
             return
         replies, self._replies = self._replies, []
+        if self._orphan is not None:  # nobody to tell: a Serve call's end, metrics and stats go unsent
+            return
         try:
             self.pipe.send(replies)
         except OSError as err:
-            raise ReplicaGone() from err
+            self._replica_gone(err)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -405,6 +487,7 @@ class EngineLoop:
             "drafter_losses": engine.proposer_losses,
             "router_streams": len(self._channels),  # routers' output streams known (a closed one until the next opens)
             "router_intakes": len(self._intakes),  # routers' direct intakes open
+            "engine_pid": os.getpid(),  # the same after a replica adopted this process (`adoption`)
         }
 
     # -- metrics ---------------------------------------------------------------------------------
@@ -459,7 +542,8 @@ class EngineLoop:
 # -- building the engine -----------------------------------------------------------------------------
 
 
-def build_loop(config: ServeConfig, pipe: Pipe, *, record_metrics: bool, intake_host: str) -> EngineLoop:
+def build_loop(config: ServeConfig, pipe: Pipe, *, record_metrics: bool, intake_host: str,
+               identity: str = "") -> EngineLoop:
     """The engine of `config`. With topology split, the target is loaded while the drafter actor
     loads its own weights; the KV cache is sized once the replica says where the drafter is
     (its weights are on the GPU by then)."""
@@ -468,7 +552,7 @@ def build_loop(config: ServeConfig, pipe: Pipe, *, record_metrics: bool, intake_
     engine_cfg = config.engine
     if config.topology == "colocated":
         return EngineLoop(build_engine(engine_cfg), pipe, config, record_metrics=record_metrics,
-                          intake_host=intake_host)
+                          intake_host=intake_host, identity=identity)
     import torch
 
     from dflash_serve.services.engine.loader import load_tokenizer, log_models
@@ -490,7 +574,7 @@ def build_loop(config: ServeConfig, pipe: Pipe, *, record_metrics: bool, intake_
     engine = assemble_engine(engine_cfg, target, None, tokenizer=tokenizer, eos_token_ids=eos,
                              remote_drafter=draft_cfg, remote_drafter_kv_here=config.drafter_placement == "shared")
     loop = EngineLoop(engine, pipe, config, record_metrics=record_metrics, intake_host=intake_host,
-                      draft_block_size=draft_cfg.block_size)
+                      draft_block_size=draft_cfg.block_size, identity=identity)
     loop.connect_drafter(message[1])
     return loop
 
@@ -502,24 +586,27 @@ def _receive(conn: Connection) -> list:
         raise ReplicaGone() from err
 
 
-class _PipeLogHandler(logging.Handler):
+class _PipeLogHandler(logging.StreamHandler):
     """This process's log records, sent to the replica, whose log handlers write them (Serve's
-    replica log, where operators look)."""
+    replica log, where operators look); while no replica has it (an orphan, `adoption`), to
+    stderr, which is the dead replica's log file."""
 
     def __init__(self, pipe: Pipe):
-        super().__init__(logging.INFO)
+        super().__init__(sys.stderr)
+        self.setLevel(logging.INFO)
+        self.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s -- %(message)s"))
         self.pipe = pipe
         self._prepare = logging.handlers.QueueHandler(None).prepare  # formats it so that it pickles
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             self.pipe.send([("log", self._prepare(record))])
-        except OSError:  # the replica is gone; this process is about to exit
-            pass
+        except (OSError, ValueError):  # no replica (ValueError: the pipe was closed here)
+            super().emit(record)
 
 
 def _die_with_parent() -> None:
-    """SIGKILL when the replica's process ends, however it ends (Linux)."""
+    """SIGKILL when the replica's process ends, however it ends (Linux); for engine_adoption_s 0."""
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
@@ -531,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_serve.services.gc_freeze import freeze_startup_objects
 
     argv = sys.argv[1:] if argv is None else argv
-    _die_with_parent()
+    fingerprint = adoption.code_fingerprint()  # of the code this process runs, before anything changes it
     pipe = Pipe(Connection(int(argv[0])))
     ours = logging.getLogger("dflash_serve.services")
     ours.setLevel(logging.INFO)
@@ -541,7 +628,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         (message,) = _receive(pipe.conn)
         _, config, record_metrics, intake_host = message
-        loop = build_loop(ServeConfig.from_dict(config), pipe, record_metrics=record_metrics, intake_host=intake_host)
+        serve_config = ServeConfig.from_dict(config)
+        if serve_config.engine_adoption_s <= 0:
+            _die_with_parent()
+        loop = build_loop(serve_config, pipe, record_metrics=record_metrics, intake_host=intake_host,
+                          identity=adoption.identity(config, record_metrics, intake_host, fingerprint))
     except ReplicaGone:
         return 0
     except BaseException:  # noqa: BLE001 - the replica reports it and fails to start

@@ -1,8 +1,8 @@
 """Where routers find the verifiers' direct intakes: each verifier replica registers its engine
 process's intake address in Ray's key-value store (the GCS), under its application and replica
 name, and removes it when it shuts down; each router lists its application's. A replica killed
-before its shutdown leaves its entry behind: the router that finds that address refusing
-connections deletes it (`forget`)."""
+before its shutdown leaves its entry behind: the replica that adopts its engine deletes it, or
+else the router that finds that address refusing connections (`forget`)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,12 @@ def _key(app: str, replica: str) -> str:
 
 
 def register(app: str, replica: str, address: StreamAddress) -> None:
+    """Also removes the entry of a replica that died and whose engine this one adopted (`adoption`)."""
     from ray.experimental.internal_kv import _internal_kv_put
 
+    for name, known in registered(app).items():
+        if name != replica and known == address:
+            forget(app, name)
     value = json.dumps({"host": address.host, "port": address.port, "token": address.token.hex()})
     _internal_kv_put(_key(app, replica), value, namespace=NAMESPACE)
 

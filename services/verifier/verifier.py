@@ -14,9 +14,11 @@ lossless), and this replica hands it the restarted actor's address.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from dflash_serve.services.config import ServeConfig
+from dflash_serve.services.verifier import adoption
 from dflash_serve.services.verifier.engine_metrics import EngineMetrics
 
 if TYPE_CHECKING:  # this module imports no torch: the replica's process starts its engine's process first
@@ -89,19 +92,17 @@ class Verifier:
         self.drafter_actor_name = None
         if self.config.topology == "split" and self.drafter_actor is None:  # first: it loads while the target does
             self.drafter_actor, self.drafter_actor_name = spawn_drafter_actor(self.config)
-        self._process = EngineProcess()
-        try:
-            self._process.send([("config", self.config.to_dict(), metrics is not None, intake_host)])
-            if self.config.topology == "split":  # the engine sizes its KV cache once the drafter's weights are in
-                import ray
-
-                address = ray.get(self.drafter_actor.address.remote(), timeout=600)
-                check_same_node(self.drafter_actor)
-                self._process.send([("drafter", address)])
-            self.info = self._process.wait_ready()
-        except BaseException:
-            self._process.stop()
-            raise
+        config_dict = self.config.to_dict()
+        adopted = self.config.engine_adoption_s > 0 and EngineProcess.adopt(
+            adoption.identity(config_dict, metrics is not None, intake_host, adoption.code_fingerprint()))
+        if adopted:
+            # Its drafter died with the last replica: the engine says so (drafter_lost) at its next
+            # round and this replica's actor reattaches (`_reattach`), target-only until then.
+            self._process, self.info = adopted
+            log.info("adopted the engine process (pid %d) of a replica that died: its models, KV cache and "
+                     "requests in flight", self._process.pid)
+        else:
+            self._start_engine(config_dict, metrics is not None, intake_host)
         if metrics is not None and engine_cfg.drafter:
             for position in range(self.info["block_size"] - 1):
                 metrics.start_at_zero("dflash_spec_decode_num_accepted_tokens_per_pos", position=str(position))
@@ -113,6 +114,21 @@ class Verifier:
         self._reattaching = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="engine-replies", daemon=True)
         self._reader.start()
+
+    def _start_engine(self, config_dict: dict, record_metrics: bool, intake_host: str) -> None:
+        self._process = EngineProcess.spawn(detached=self.config.engine_adoption_s > 0)
+        try:
+            self._process.send([("config", config_dict, record_metrics, intake_host)])
+            if self.config.topology == "split":  # the engine sizes its KV cache once the drafter's weights are in
+                import ray
+
+                address = ray.get(self.drafter_actor.address.remote(), timeout=600)
+                check_same_node(self.drafter_actor)
+                self._process.send([("drafter", address)])
+            self.info = self._process.wait_ready()
+        except BaseException:
+            self._process.stop()
+            raise
 
     # -- the router's calls ----------------------------------------------------------------------
 
@@ -248,21 +264,40 @@ class Verifier:
 
 
 class EngineProcess:
-    """The engine's process (`python -m ...engine_process FD`) and this replica's end of its pipe.
+    """The engine's process and this replica's end of its pipe: one it started
+    (`python -m ...engine_process FD`, `spawn`), or the orphan of a replica that died (`adopt`)."""
 
-    A thread of this replica starts it and waits for it, for as long as it lives: the process
-    asks to be killed when that thread ends (PR_SET_PDEATHSIG names the thread, not the process),
-    which happens when this replica's process dies, however it dies."""
+    def __init__(self, conn: Connection, pid: int, popen: subprocess.Popen | None = None):
+        self.conn = conn
+        self.pid = pid
+        self.popen = popen  # None: not a child of this process (detached, or adopted)
+        self._send_lock = threading.Lock()
 
-    def __init__(self):
+    @classmethod
+    def spawn(cls, *, detached: bool) -> EngineProcess:
+        """Start one. detached (engine_adoption_s > 0): not a child of this process but of init
+        (started through a shell that exits), in a session of its own, so that Ray, which kills a
+        worker's children and process group when it ends it (ray.kill, a failed health check),
+        leaves it to be adopted. Otherwise a thread of
+        this replica starts it and waits for it, for as long as it lives: the process asks to be
+        killed when that thread ends (PR_SET_PDEATHSIG names the thread, not the process), which
+        happens when this replica's process dies, however it dies."""
         ours, theirs = socket.socketpair()
         # The child finds dflash_serve and its dependencies where this process does (a Ray
         # runtime_env or a test may have put them on sys.path only).
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
         command = [sys.executable, "-m", "dflash_serve.services.verifier.engine_process", str(theirs.fileno())]
+        if detached:
+            try:
+                # Its pid comes back on the pipe (fd 3); its own output goes where this process's errors go.
+                shell = subprocess.run(["/bin/sh", "-c", 'exec 3>&1 1>&2; "$@" </dev/null 3>&- & echo $! >&3', "sh",
+                                        *command], pass_fds=(theirs.fileno(),), env=env, stdout=subprocess.PIPE,
+                                       start_new_session=True, check=True)
+            finally:
+                theirs.close()
+            return cls(Connection(ours.detach()), int(shell.stdout))
         started: list = []
         ready = threading.Event()
-        self.returncode: int | None = None
 
         def start_and_wait() -> None:
             try:
@@ -271,24 +306,36 @@ class EngineProcess:
                 started.append(err)
             ready.set()
             if isinstance(started[0], subprocess.Popen):
-                self.returncode = started[0].wait()
+                started[0].wait()
 
-        self._watcher = threading.Thread(target=start_and_wait, name="engine-process", daemon=True)
-        self._watcher.start()
+        watcher = threading.Thread(target=start_and_wait, name="engine-process", daemon=True)
+        watcher.start()
         ready.wait()
         theirs.close()
         if isinstance(started[0], BaseException):
             ours.close()
             raise started[0]
-        self.popen: subprocess.Popen = started[0]
-        self.conn = Connection(ours.detach())
-        self._send_lock = threading.Lock()
+        popen: subprocess.Popen = started[0]
+        return cls(Connection(ours.detach()), popen.pid, popen)
+
+    @classmethod
+    def adopt(cls, identity: str) -> tuple[EngineProcess, dict] | None:
+        """An orphan of this identity on this node and GPU, and its `ready` info (`adoption.offer`)."""
+        found = adoption.offer(identity)
+        if found is None:
+            return None
+        conn, pid, info = found
+        return cls(conn, pid), info
 
     @property
     def alive(self) -> bool:
-        return self.returncode is None and self.popen.poll() is None
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return not adoption.wait_exit(self.pid, 0)
 
     def describe_exit(self) -> str:
+        if self.popen is None:
+            return "it still runs" if self.alive else "it exited (not a child of this process: its status is unknown here)"
         code = self.popen.poll()
         if code is None:
             return "it still runs"
@@ -317,11 +364,14 @@ class EngineProcess:
                     self.stop()
                     raise RuntimeError(f"the engine failed to start:\n{message[1]}")
 
-    def wait_exited(self, timeout: float = 10.0) -> None:
+    def wait_exited(self, timeout: float = 10.0) -> bool:
+        if self.popen is None:
+            return adoption.wait_exit(self.pid, timeout)
         try:
             self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            pass
+            return False
+        return True
 
     def stop(self, timeout: float = 10.0) -> None:
         """Asks the loop to end, then kills the process if it has not within `timeout`."""
@@ -329,11 +379,10 @@ class EngineProcess:
             self.send([("stop",)])
         except OSError:
             pass
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
+        if not self.wait_exited(timeout):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self.wait_exited(timeout)
         self.conn.close()
 
 

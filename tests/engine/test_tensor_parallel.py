@@ -156,7 +156,7 @@ def test_a_verifier_replica_runs_its_ranks_and_fails_with_the_reason_when_one_is
     (expected,) = build_engine(_engine_config(target, drafter, 1)).generate([prompt], params)
     verifier = Verifier({"engine": config.to_dict(), "topology": "colocated"})
     try:
-        (rank_1,) = psutil.Process(verifier._process.popen.pid).children()
+        (rank_1,) = psutil.Process(verifier._process.pid).children()
         outputs = asyncio.run(run_request(verifier, prompt, params))
         assert [t for out in outputs for t in out.new_token_ids] == expected.output_ids
 

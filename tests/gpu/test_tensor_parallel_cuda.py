@@ -46,7 +46,7 @@ def test_a_rank_killed_mid_request_takes_its_replicas_engine_process_down(tmp_pa
     config = _cuda(_engine_config(target, drafter, 2, max_model_len=4096))
     verifier = Verifier({"engine": config.to_dict(), "topology": "colocated"})
     try:
-        (rank_1,) = psutil.Process(verifier._process.popen.pid).children()
+        (rank_1,) = psutil.Process(verifier._process.pid).children()
 
         async def killed_mid_request():
             listener = OutputListener()

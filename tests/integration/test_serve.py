@@ -68,17 +68,22 @@ def test_streamed_output_equals_the_embedded_engine(app, embedded, sampling):
 def test_the_router_finds_the_verifiers_engine_and_sends_it_requests_directly_with_the_same_outputs(app, embedded):
     """The verifier registers its engine process's intake in Ray's key-value store; the router's
     requests look it up and, once connected, go there instead of through a Serve call."""
-    def reached_directly():
-        _stream(app["stub"], prompt="x", sampling=generation_pb2.SamplingParams(max_tokens=2))
-        return _verifier_stats(app)["router_intakes"] >= 1
-
-    _wait(reached_directly, what="the router's direct intake to the engine")
+    _wait_direct(app)
     prompt = "def add(a, b):"
     ids, _, last = _stream(app["stub"], prompt=prompt, sampling=generation_pb2.SamplingParams(max_tokens=24,
                                                                                              temperature=0.0))
     reference = embedded.generate([embedded.tokenizer.encode(prompt)], SamplingParams(max_tokens=24,
                                                                                       temperature=0.0))[0]
     assert ids == reference.output_ids and last.spec_stats.num_drafts > 0
+
+
+def _wait_direct(app) -> None:
+    """Until the router sends its requests straight to the engine's intake."""
+    def reached_directly():
+        _stream(app["stub"], prompt="x", sampling=generation_pb2.SamplingParams(max_tokens=2))
+        return _verifier_stats(app)["router_intakes"] >= 1
+
+    _wait(reached_directly, what="the router's direct intake to the engine")
 
 
 @pytest.mark.parametrize(
@@ -378,17 +383,31 @@ def test_a_router_replica_dying_ends_its_streams_unavailable_and_leaks_nothing(a
     _nothing_held(app)
 
 
-def test_a_verifier_replica_dying_is_unavailable_then_fails_fast_until_one_is_back(app):
-    """Last here: it restarts the verifier. Streams it held end UNAVAILABLE (retryable), requests
-    sent while no replica runs fail fast instead of waiting out the restart, and it comes back."""
+def test_a_verifier_replica_dying_leaves_its_engine_to_the_next_replica_and_loses_nothing(app, embedded):
+    """Last here: it restarts the verifier. Its engine process outlives it (`adoption`): the
+    streams it held go on to their last token, exactly the engine's, requests sent meanwhile are
+    served or fail fast and retryably, and the new replica adopts the same engine process, whose
+    drafter (dead with the old replica) is replaced."""
     import ray
 
     stub = app["stub"]
-    calls = _long_streams(stub, 2)
+    _wait_direct(app)  # a request sent as a Serve call dies with the replica's call: UNAVAILABLE, retry
+    before = _verifier_stats(app)
+    prompt = "import os"
+    sampling = generation_pb2.SamplingParams(max_tokens=480, ignore_eos=True)
+    calls = [stub.Generate(generation_pb2.GenerateRequest(prompt=prompt, sampling=sampling), timeout=120)
+             for _ in range(2)]
+    firsts = [next(call) for call in calls]
     ray.kill(_serve_replica("Verifier"), no_restart=True)
-    for call in calls:
-        with pytest.raises(grpc.RpcError) as err:
-            list(call)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "retry" in err.value.details()
+    reference = embedded.generate([embedded.tokenizer.encode(prompt)],
+                                  SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True))[0]
+    for first, call in zip(firsts, calls, strict=True):
+        rest = list(call)
+        assert list(first.token_ids) + [t for r in rest for t in r.token_ids] == reference.output_ids
+        assert rest[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
     _wait_served_again(stub)
+    after = _wait(lambda: (s := _verifier_stats(app))["drafter_actor"] != before["drafter_actor"] and s,
+                  what="the new replica's stats")
+    assert after["engine_pid"] == before["engine_pid"]  # adopted, not started again
+    _wait(lambda: _verifier_stats(app)["speculative"], what="the new drafter to be attached")
     _nothing_held(app)

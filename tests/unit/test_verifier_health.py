@@ -63,7 +63,8 @@ def test_an_engine_process_that_dies_fails_the_health_check_and_its_calls_retrya
     """The engine's process killed (the OOM killer, a crash): the calls it held fail as a lost
     replica's do (StreamLost: the router answers UNAVAILABLE, retry), and the health check raises."""
     target, drafter = save_tiny_pair(tmp_path, block_size=6)
-    verifier = Verifier({"engine": {"target": target, "drafter": drafter, "max_num_seqs": 2}, "topology": "colocated"})
+    verifier = Verifier({"engine": {"target": target, "drafter": drafter, "max_num_seqs": 2}, "topology": "colocated",
+                         "engine_adoption_s": 0})  # its child: how it ended is known
     verifier.check_health()  # serving
 
     async def killed_mid_request():
@@ -73,7 +74,7 @@ def test_an_engine_process_that_dies_fails_the_health_check_and_its_calls_retrya
             [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True), "r",
             await listener.reply_to()))
         await asyncio.wait_for(queue.get(), 30)  # it runs
-        os.kill(verifier._process.popen.pid, signal.SIGKILL)
+        os.kill(verifier._process.pid, signal.SIGKILL)
         with pytest.raises(StreamLost, match="engine process of this verifier replica exited .*signal 9.*retry"):
             await asyncio.wait_for(call, 30)
         while not isinstance(item := await asyncio.wait_for(queue.get(), 30), StreamLost):  # the router's side

@@ -1,0 +1,173 @@
+"""A verifier replica's engine process outlives the replica (`adoption`): it goes on serving the
+requests it holds, and the next replica of the same code and configuration adopts it instead of
+loading everything again. Here the replica's death is its end of the pipe closing (what a SIGKILL
+does to it); the integration suite kills a real replica."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
+
+from dflash_serve.services.config import ServeConfig
+from dflash_serve.services.engine.loader import build_engine
+from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.stopping import FinishReason
+from dflash_serve.services.verifier import adoption
+from dflash_serve.services.verifier.engine_process import EngineLoop, Pipe
+from dflash_serve.services.verifier.output_stream import OutputListener, StreamLost
+from dflash_serve.services.verifier.verifier import EngineProcess, Verifier
+from tests.served_pair import save_tiny_pair
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+PROMPT = [1, 2, 3, 4]
+
+
+@pytest.fixture
+def orphans(monkeypatch):
+    """A temporary folder of this test's own for the orphans' sockets (short: a socket's path has
+    at most 107 bytes), seen by this process and the engine processes it starts."""
+    folder = tempfile.mkdtemp(prefix="dfa", dir="/tmp")
+    monkeypatch.setenv("TMPDIR", folder)
+    monkeypatch.setattr(tempfile, "tempdir", folder)
+    monkeypatch.delenv("RAY_RAYLET_PID", raising=False)
+    yield Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _config(tmp_path, **overrides) -> dict:
+    target, drafter = save_tiny_pair(tmp_path, block_size=6)
+    return ServeConfig.from_dict({"engine": {"target": target, "drafter": drafter, "max_num_seqs": 2},
+                                  "topology": "colocated", **overrides}).to_dict()
+
+
+def _start_replica(config: dict) -> tuple[EngineProcess, dict]:
+    """What a replica does to start its engine (`Verifier._start_engine`, colocated)."""
+    process = EngineProcess.spawn(detached=True)
+    process.send([("config", config, False, "127.0.0.1")])
+    return process, process.wait_ready()
+
+
+def _wait_for_the_orphan() -> Path:
+    deadline = time.monotonic() + 30
+    while not (sockets := list(adoption.adoption_dir().glob("*.sock"))):
+        assert time.monotonic() < deadline, "no orphan listened"
+        time.sleep(0.05)
+    (socket_path,) = sockets
+    return socket_path
+
+
+async def _request_until_first_tokens(send, listener: OutputListener, request_id: str, params=GREEDY):
+    queue = listener.open(request_id)
+    send([("add", request_id, PROMPT, params, await listener.reply_to())])
+    first = await asyncio.wait_for(queue.get(), 30)
+    return queue, list(first.new_token_ids)
+
+
+async def _rest(queue) -> tuple[list[int], object]:
+    tokens = []
+    while True:
+        item = await asyncio.wait_for(queue.get(), 60)
+        if isinstance(item, StreamLost):
+            return tokens, item
+        tokens += item.new_token_ids
+        if item.finished:
+            return tokens, item
+
+
+def test_a_replica_that_dies_leaves_its_engine_serving_to_the_next_which_adopts_it(tmp_path, orphans):
+    """A router's direct request goes on to its last token while no replica has the engine; the
+    next replica adopts that very process and serves through it."""
+    config = _config(tmp_path, engine_adoption_s=30)
+    expected = build_engine(ServeConfig.from_dict(config).engine).generate([PROMPT], GREEDY)[0].output_ids
+    old, info = _start_replica(config)
+
+    async def scenario():
+        listener = OutputListener()
+        intake = await listener.connect(info["intake"])  # a router's direct intake: no replica in its way
+        queue = listener.open("held")
+        intake.add("held", PROMPT, GREEDY)
+        tokens = list((await asyncio.wait_for(queue.get(), 30)).new_token_ids)
+        old.conn.close()  # the replica dies mid-request
+        socket_path = _wait_for_the_orphan()
+        assert socket_path.stem == str(old.pid)
+        rest, last = await _rest(queue)
+        assert last.finished and last.finish_reason is FinishReason.LENGTH  # served without its replica
+        assert tokens + rest == expected
+        verifier = Verifier(config)  # the next replica
+        assert verifier._process.pid == old.pid and verifier.info["intake"] == info["intake"]
+        assert not socket_path.exists()
+        queue, tokens = await _request_until_first_tokens(verifier._send, listener, "after")
+        rest, last = await _rest(queue)
+        assert last.finished and tokens + rest == expected
+        assert (await verifier.stats())["running"] == 0
+        await listener.aclose()
+        return verifier
+
+    verifier = asyncio.run(scenario())
+    verifier.check_health()
+    verifier.shutdown()
+    assert adoption.wait_exit(old.pid, 10)
+
+
+def test_an_orphan_of_another_configuration_exits_before_the_new_replica_starts_its_own(tmp_path, orphans):
+    old, _ = _start_replica(_config(tmp_path, engine_adoption_s=30))
+    old.conn.close()
+    _wait_for_the_orphan()
+    verifier = Verifier(_config(tmp_path / "other", engine_adoption_s=30))
+    assert adoption.wait_exit(old.pid, 0), "the orphan still runs beside the new engine"  # its memory was freed first
+    assert verifier._process.pid != old.pid
+    verifier.shutdown()
+    assert not list(adoption.adoption_dir().glob("*.sock"))
+
+
+def test_an_orphan_nobody_adopts_exits_in_time_and_its_streams_end_retryably(tmp_path, orphans):
+    """The engine process's loop, here in a thread, with steps slowed down so that a request is
+    still running when the orphan's time runs out."""
+    config = ServeConfig.from_dict(_config(tmp_path, engine_adoption_s=0.5))
+    engine = build_engine(config.engine)
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.05)
+        return step()
+
+    engine.step = slow_step
+    ours, theirs = socket.socketpair()
+    replica = Connection(ours.detach())
+    loop = EngineLoop(engine, Pipe(Connection(theirs.detach())), config, record_metrics=False, intake_host="127.0.0.1")
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+
+    async def scenario():
+        listener = OutputListener()
+        intake = await listener.connect(loop.intake_address)
+        queue = listener.open("held")
+        intake.add("held", PROMPT, GREEDY)
+        await asyncio.wait_for(queue.get(), 30)
+        replica.close()
+        _wait_for_the_orphan()
+        tokens, last = await _rest(queue)
+        await listener.aclose()
+        return tokens, last
+
+    tokens, last = asyncio.run(scenario())
+    assert isinstance(last, StreamLost) and tokens  # served as an orphan, then the router answers UNAVAILABLE: retry
+
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert not list(adoption.adoption_dir().glob("*.sock"))
+
+
+def test_with_no_adoption_the_engine_process_ends_with_its_replica(tmp_path, orphans):
+    old, _ = _start_replica(_config(tmp_path, engine_adoption_s=0))
+    old.conn.close()
+    assert old.wait_exited(10)
+    assert not adoption.adoption_dir().exists() or not list(adoption.adoption_dir().glob("*.sock"))
