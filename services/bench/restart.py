@@ -5,10 +5,12 @@
 Starts `dflash serve` (its embedded default unless flags follow `--`) in a Ray of its own and sends
 a 4-token request every --probe-s until one is answered: the time from the process's start to
 that answer. Then, --kills times, SIGKILLs the Verifier replica's process (as the kernel's OOM
-killer or a crash would) and probes again: the time from the kill to the next answer. Each start's
-timeline comes from the replica's log lines (their own timestamps: the replica started, its engine
-process up, the engine imported and its models named, the KV cache allocated, graphs captured,
-round costs measured or loaded). Writes OUT/restart.json and the log.
+killer or a crash would) and probes again: the time from the kill to the next answer (which the
+engine process may give while no replica has it: `engine_adoption_s`), and to the new replica's
+engine being ready or adopted. Each start's timeline comes from the replica's log lines (their own
+timestamps: the replica started, its engine process up, the engine imported and its models named,
+the KV cache allocated, graphs captured, round costs measured or loaded, or the engine adopted).
+Writes OUT/restart.json and the log.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ MILESTONES = {"replica starting": "replica started", "engine process up": "engin
               "models:": "models named (engine imported)", "target loaded": "target loaded (split)",
               "drafter actor's address received": "drafter actor up (split)", "KV cache:": "KV cache sized",
               "round graphs captured": "round graphs captured", "round costs measured": "round costs measured",
-              "round costs from": "round costs loaded", "engine ready": "engine ready"}
+              "round costs from": "round costs loaded", "engine ready": "engine ready",
+              "adopted the engine process": "engine adopted"}
+BACK = ("engine ready", "engine adopted")  # a new replica serves from either
 
 
 def verifier_pids() -> list[int]:
@@ -61,6 +65,17 @@ def wait_answered(stub, timeout_s: float, probe_s: float) -> float:
         except grpc.RpcError:  # not deployed yet (NOT_FOUND), no verifier running (UNAVAILABLE)
             time.sleep(probe_s)
     raise TimeoutError(f"no answer within {timeout_s:.0f} s")
+
+
+def wait_new_replica(log_path: Path, old_pid: int, since: float, timeout_s: float) -> tuple[int, dict[str, float]]:
+    """The replica that replaced `old_pid`, once it logged its engine ready or adopted, and its timeline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for pid in verifier_pids():
+            if pid != old_pid and any(m in (found := timeline(log_path.read_text(), pid, since)) for m in BACK):
+                return pid, found
+        time.sleep(0.2)
+    raise TimeoutError(f"no new verifier replica was ready within {timeout_s:.0f} s")
 
 
 def timeline(log_text: str, pid: int, since: float) -> dict[str, float]:
@@ -101,11 +116,12 @@ def main(argv: list[str] | None = None) -> int:
             killed = time.time()
             os.kill(pid, signal.SIGKILL)
             answered = wait_answered(stub, args.timeout_s, args.probe_s)
-            (pid,) = [p for p in verifier_pids() if p != pid]
+            pid, found = wait_new_replica(log_path, pid, killed, args.timeout_s)
             kill = {"served_again_s": round(answered - killed, 2),
-                    "timeline": timeline(log_path.read_text(), pid, killed)}
+                    "replica_back_s": min(found[m] for m in BACK if m in found), "timeline": found}
             report["kills"].append(kill)
-            print(f"served again {kill['served_again_s']} s after the kill: {kill['timeline']}", flush=True)
+            print(f"served again {kill['served_again_s']} s after the kill, a new replica serving at "
+                  f"{kill['replica_back_s']} s: {kill['timeline']}", flush=True)
     finally:
         server.stop()
     (out / "restart.json").write_text(json.dumps(report, indent=1))
