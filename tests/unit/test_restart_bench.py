@@ -26,3 +26,11 @@ def test_each_milestone_of_the_replica_is_timed_from_the_start_once():
         "target loaded (split)": 6.0, "drafter actor up (split)": 7.25, "KV cache sized": 7.5,
         "round costs loaded": 8.0, "engine ready": 9.0}
     assert timeline(LINES, 99, since) == {"models named (engine imported)": 5.1}
+
+
+def test_a_replica_that_adopted_its_predecessors_engine_is_back_when_it_says_so():
+    adopted = ("(ServeReplica:dflash:Verifier pid=77) INFO 2026-12-02 18:00:03,000 dflash_Verifier abc -- replica starting "
+               "(pid 77)\n(ServeReplica:dflash:Verifier pid=77) INFO 2026-12-02 18:00:03,040 dflash_Verifier abc -- "
+               "adopted the engine process (pid 50) of a replica that died: its models, KV cache and requests in flight\n")
+    since = datetime(2026, 12, 2, 18, 0, 0).timestamp()
+    assert timeline(adopted, 77, since) == {"replica started": 3.0, "engine adopted": 3.04}
