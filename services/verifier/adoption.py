@@ -125,6 +125,8 @@ def offer(wanted: str) -> tuple[Connection, int, dict] | None:
 
 
 def _alive(pid: int) -> bool:
+    """(Not transport.leftovers' check: importing the transport package loads torch, which a
+    replica's process does without.)"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
