@@ -7,6 +7,9 @@ directly. So when its replica's pipe closes, the engine process becomes an orpha
 `ServeConfig.engine_adoption_s`: it goes on serving the requests it holds, and listens on a Unix
 socket under `adoption_dir()`, named by its pid, for a new replica on the same node and GPU.
 
+Only processes of the same user meet there: the folders must be this user's alone, and each side
+checks the other's credentials (SO_PEERCRED) before reading anything from it (the pipe pickles).
+
 A new replica offers its identity (the code it runs, its configuration, whether it records
 metrics and its intake's host: `identity`) to each orphan it finds there. An orphan with the
 same identity answers `ready` with its intake's address, and the pipe is that connection from then
@@ -22,6 +25,7 @@ import json
 import os
 import re
 import socket
+import struct
 import sys
 import tempfile
 from multiprocessing.connection import Connection
@@ -64,12 +68,30 @@ def identity(config: dict, record_metrics: bool, intake_host: str, fingerprint: 
     return json.dumps([fingerprint, config, record_metrics, intake_host], sort_keys=True, default=str)
 
 
+def _ours(directory: Path) -> bool:
+    """Whether `directory` and its parent are this user's and no one else may write there."""
+    for folder in (directory, directory.parent):
+        info = folder.stat()
+        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+            return False
+    return True
+
+
+def _peer(sock: socket.socket) -> tuple[int, int]:
+    """The (pid, uid) of a Unix socket's other end."""
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
+
+
 class OrphanListener:
     """The orphan's side: a listening socket at adoption_dir()/PID.sock, removed when closed."""
 
     def __init__(self):
         directory = adoption_dir()
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        directory.parent.mkdir(mode=0o700, exist_ok=True)
+        directory.mkdir(mode=0o700, exist_ok=True)
+        if not _ours(directory):
+            raise PermissionError(f"{directory} or its parent is not this user's alone: no adoption")
         self.path = directory / f"{os.getpid()}.sock"
         self.path.unlink(missing_ok=True)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -79,8 +101,12 @@ class OrphanListener:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def accept(self) -> Connection:
+    def accept(self) -> Connection | None:
+        """The connection of a process of this user; None for anyone else's (closed unread)."""
         conn, _ = self.sock.accept()
+        if _peer(conn)[1] != os.getuid():
+            conn.close()
+            return None
         conn.setblocking(True)
         return Connection(conn.detach())
 
@@ -94,9 +120,11 @@ def offer(wanted: str) -> tuple[Connection, int, dict] | None:
     its `ready` info); None if there is none. Orphans of another identity exit, and this waits for
     them (their GPU memory is free once this returns)."""
     directory = adoption_dir()
-    if not directory.is_dir():
+    if not directory.is_dir() or not _ours(directory):
         return None
     for path in sorted(directory.glob("*.sock")):
+        if not path.stem.isdigit():
+            continue
         pid = int(path.stem)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(CONNECT_TIMEOUT_S)
@@ -106,6 +134,9 @@ def offer(wanted: str) -> tuple[Connection, int, dict] | None:
             sock.close()
             if not _alive(pid):
                 path.unlink(missing_ok=True)
+            continue
+        if _peer(sock) != (pid, os.getuid()):  # not the orphan its name says
+            sock.close()
             continue
         sock.settimeout(None)
         conn = Connection(sock.detach())

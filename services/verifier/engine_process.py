@@ -292,6 +292,9 @@ class EngineLoop:
             conn = self._orphan.accept()
         except OSError:
             return
+        if conn is None:
+            log.warning("refused a connection to the adoption socket from another user's process")
+            return
         try:
             if not conn.poll(adoption.OFFER_TIMEOUT_S):
                 raise TimeoutError("no offer")

@@ -171,3 +171,13 @@ def test_with_no_adoption_the_engine_process_ends_with_its_replica(tmp_path, orp
     old.conn.close()
     assert old.wait_exited(10)
     assert not adoption.adoption_dir().exists() or not list(adoption.adoption_dir().glob("*.sock"))
+
+
+def test_no_adoption_through_a_folder_others_may_write_to(orphans):
+    """Another user could plant a socket there, and the pipe unpickles what it reads."""
+    folder = adoption.adoption_dir()
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)
+    with pytest.raises(PermissionError, match="not this user's alone"):
+        adoption.OrphanListener()
+    assert adoption.offer("any identity") is None
