@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import select
 import socket
 import struct
 import sys
@@ -48,7 +49,7 @@ def adoption_dir() -> Path:
 def cluster_gone() -> bool:
     """Whether the Ray node this process was started under has ended (no replica can come)."""
     raylet = os.environ.get("RAY_RAYLET_PID")
-    return bool(raylet) and not _alive(int(raylet))
+    return bool(raylet) and wait_exit(int(raylet), 0)
 
 
 def code_fingerprint() -> str:
@@ -132,7 +133,7 @@ def offer(wanted: str) -> tuple[Connection, int, dict] | None:
             sock.connect(str(path))
         except OSError:  # left behind by an orphan that was killed: nobody listens
             sock.close()
-            if not _alive(pid):
+            if wait_exit(pid, 0):
                 path.unlink(missing_ok=True)
             continue
         if _peer(sock) != (pid, os.getuid()):  # not the orphan its name says
@@ -155,22 +156,9 @@ def offer(wanted: str) -> tuple[Connection, int, dict] | None:
     return None
 
 
-def _alive(pid: int) -> bool:
-    """(Not transport.leftovers' check: importing the transport package loads torch, which a
-    replica's process does without.)"""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def wait_exit(pid: int, timeout: float) -> bool:
-    """Whether process `pid` (not a child of this one) ended within `timeout`."""
-    import select
-
+    """Whether process `pid` (not a child of this one: a pidfd, which also sees a zombie as ended)
+    ended within `timeout`; 0: whether it has ended."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:

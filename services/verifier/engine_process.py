@@ -279,7 +279,11 @@ class EngineLoop:
                 self._cancel(request_id)
         for _, adds in self._connecting.values():
             adds.clear()
-        self._orphan = adoption.OrphanListener()
+        try:
+            self._orphan = adoption.OrphanListener()
+        except OSError as listen_err:
+            log.warning("the verifier replica is gone, and no replica can adopt this engine: %s", listen_err)
+            raise ReplicaGone() from err
         self._orphaned_at = time.monotonic()
         self._selector.register(self._orphan, selectors.EVENT_READ)
         log.warning("the verifier replica is gone: serving %d request(s) in flight and waiting up to %g s for a new "

@@ -278,10 +278,10 @@ class EngineProcess:
         """Start one. detached (engine_adoption_s > 0): not a child of this process but of init
         (started through a shell that exits), in a session of its own, so that Ray, which kills a
         worker's children and process group when it ends it (ray.kill, a failed health check),
-        leaves it to be adopted. Otherwise a thread of
-        this replica starts it and waits for it, for as long as it lives: the process asks to be
-        killed when that thread ends (PR_SET_PDEATHSIG names the thread, not the process), which
-        happens when this replica's process dies, however it dies."""
+        leaves it to be adopted. Otherwise a thread of this replica starts it and waits for it, for
+        as long as it lives: the process asks to be killed when that thread ends (PR_SET_PDEATHSIG
+        names the thread, not the process), which happens when this replica's process dies, however
+        it dies."""
         ours, theirs = socket.socketpair()
         # The child finds dflash_serve and its dependencies where this process does (a Ray
         # runtime_env or a test may have put them on sys.path only).
@@ -293,6 +293,9 @@ class EngineProcess:
                 shell = subprocess.run(["/bin/sh", "-c", 'exec 3>&1 1>&2; "$@" </dev/null 3>&- & echo $! >&3', "sh",
                                         *command], pass_fds=(theirs.fileno(),), env=env, stdout=subprocess.PIPE,
                                        start_new_session=True, check=True)
+            except BaseException:
+                ours.close()
+                raise
             finally:
                 theirs.close()
             return cls(Connection(ours.detach()), int(shell.stdout))

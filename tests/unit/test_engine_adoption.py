@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import tempfile
-import threading
 import time
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
@@ -21,10 +18,10 @@ from dflash_serve.services.engine.loader import build_engine
 from dflash_serve.services.engine.sampling import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.verifier import adoption
-from dflash_serve.services.verifier.engine_process import EngineLoop, Pipe
 from dflash_serve.services.verifier.output_stream import OutputListener, StreamLost
 from dflash_serve.services.verifier.verifier import EngineProcess, Verifier
 from tests.served_pair import save_tiny_pair
+from tests.unit.test_verifier_health import engine_loop_in_a_thread
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
 PROMPT = [1, 2, 3, 4]
@@ -140,11 +137,7 @@ def test_an_orphan_nobody_adopts_exits_in_time_and_its_streams_end_retryably(tmp
         return step()
 
     engine.step = slow_step
-    ours, theirs = socket.socketpair()
-    replica = Connection(ours.detach())
-    loop = EngineLoop(engine, Pipe(Connection(theirs.detach())), config, record_metrics=False, intake_host="127.0.0.1")
-    thread = threading.Thread(target=loop.run, daemon=True)
-    thread.start()
+    replica, loop, thread = engine_loop_in_a_thread(engine, config)
 
     async def scenario():
         listener = OutputListener()

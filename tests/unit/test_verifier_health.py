@@ -22,6 +22,15 @@ from dflash_serve.services.verifier.verifier import Verifier
 from tests.served_pair import save_tiny_pair
 
 
+def engine_loop_in_a_thread(engine, config: ServeConfig) -> tuple[Connection, EngineLoop, threading.Thread]:
+    """The engine process's loop over `engine`, run by a thread here, and the replica's end of its pipe."""
+    ours, theirs = socket.socketpair()
+    loop = EngineLoop(engine, Pipe(Connection(theirs.detach())), config, record_metrics=False, intake_host="127.0.0.1")
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    return Connection(ours.detach()), loop, thread
+
+
 def test_a_stopped_engine_loop_ends_the_requests_it_held_and_tells_the_replica(tmp_path):
     """The engine process's loop, here in a thread: a step that raises ends every request it held
     with the reason, in its router's stream, and the replica hears the loop stopped."""
@@ -34,11 +43,7 @@ def test_a_stopped_engine_loop_ends_the_requests_it_held_and_tells_the_replica(t
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     engine.step = broken_step
-    ours, theirs = socket.socketpair()
-    replica = Connection(ours.detach())
-    loop = EngineLoop(engine, Pipe(Connection(theirs.detach())), config, record_metrics=False, intake_host="127.0.0.1")
-    thread = threading.Thread(target=loop.run, daemon=True)
-    thread.start()
+    replica, _, thread = engine_loop_in_a_thread(engine, config)
 
     async def one_request():
         listener = OutputListener()
