@@ -23,23 +23,27 @@ ALIASES = {"cuda_graphs": ("--eager", "no CUDA graphs: the same as --no-cuda-gra
 
 
 def auto_device() -> str:
-    """cuda where torch is a CUDA build and the driver sees a device, else cpu: told without
-    importing torch where it is not imported yet (1.5-2 s of every command's start, `dflash
-    serve`'s included, whose engine runs in other processes)."""
+    """cuda where torch is a CUDA build and the driver sees a device, else cpu (`cuda_device_count`)."""
+    return "cuda" if cuda_device_count() > 0 else "cpu"
+
+
+def cuda_device_count() -> int:
+    """The GPUs torch would see: told without importing torch where it is not imported yet (1.5-5 s
+    of every command's start, `dflash serve`'s included, whose engine runs in other processes)."""
     torch = sys.modules.get("torch")
     if torch is not None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.cuda.device_count()
     try:
         if importlib.metadata.version("torch").endswith("+cpu"):
-            return "cpu"
+            return 0
         cuda = ctypes.CDLL("libcuda.so.1")
     except (importlib.metadata.PackageNotFoundError, OSError):
-        return "cpu"
+        return 0
     count = ctypes.c_int(0)
     # As torch asks: the driver's device count, CUDA_VISIBLE_DEVICES applied.
     if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return "cpu"
-    return "cuda" if count.value > 0 else "cpu"
+        return 0
+    return count.value
 
 
 def _drafter_flag(value: str) -> str | None:

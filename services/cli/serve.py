@@ -15,6 +15,7 @@ from dflash_serve.services.cli.flags import (
     add_config_flags,
     add_engine_flags,
     auto_device,
+    cuda_device_count,
     given_config_flags,
     model_pair,
 )
@@ -54,12 +55,7 @@ def _local_gpus(config: ServeConfig) -> int:
     """The GPUs `dflash serve` lends Ray on this machine: one verifier replica's, with its
     drafter's own (drafter_placement own_gpu)."""
     wanted = math.ceil(config.gpus_per_verifier + config.gpus_per_drafter)
-    if wanted:
-        import torch
-
-        have = torch.cuda.device_count()
-    else:
-        have = 0
+    have = cuda_device_count() if wanted else 0
     if wanted > have:
         own = " plus 1 for its drafter (drafter_placement=own_gpu)" if config.gpus_per_drafter else ""
         ranks = config.engine.tensor_parallel_size
@@ -102,14 +98,16 @@ def _serve_on_ray(args: argparse.Namespace, config: ServeConfig, num_gpus: int) 
     for name, value in SERVE_ENV.items():  # the Ray it starts inherits them; one set explicitly wins
         os.environ.setdefault(name, value)
     ray.init(include_dashboard=False, num_gpus=num_gpus or None, _metrics_export_port=config.metrics_port)
+    _milestone("Ray is up")
     if config.ingress == "router":  # the routers listen on the ports themselves
         serve.start(proxy_location=ProxyLocation.Disabled)
     else:
         serve.start(http_options=HTTPOptions(host=config.http_host, port=config.http_port),
                     grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
+    _milestone("Serve is up; starting the verifier replica (its engine loads the models) and the router")
     # No HTTP route with the routers serving the ports themselves (Serve would announce its proxy's address).
     serve.run(build_app(config), name="dflash", route_prefix="/" if config.ingress == "serve" else None)
-    print(f"dflash-serve is up: the OpenAI API on http://{config.http_host}:{config.http_port}/v1 (model "
+    print(f"dflash-serve is up ({time.time() - process_started():.1f} s after start): the OpenAI API on http://{config.http_host}:{config.http_port}/v1 (model "
           f"{config.model_name!r}), gRPC on port {config.grpc_port} of every interface (dflash.v1.Generation), "
           f"metrics on port {config.metrics_port} (/metrics)"
           + (", API keys required" if config.api_keys_file else "") + ". Try: dflash client --prompt 'Hello'",
@@ -122,6 +120,26 @@ def _serve_on_ray(args: argparse.Namespace, config: ServeConfig, num_gpus: int) 
         ray.shutdown()
         _remove_leftovers(started)
     return 0
+
+
+def process_started() -> float:
+    """When this process started (time.time()): from /proc on Linux, to count the interpreter's
+    start and the imports too; else when this module was imported."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, after boot
+            up = float(uptime.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED
+    return time.time() - (up - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+_IMPORTED = time.time()
+
+
+def _milestone(text: str) -> None:
+    """A start's progress, with the seconds since the process started (bench.restart's timeline)."""
+    print(f"dflash-serve: {text} ({time.time() - process_started():.1f} s after start)", flush=True)
 
 
 def _remove_leftovers(started: float) -> None:

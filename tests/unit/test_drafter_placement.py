@@ -211,9 +211,10 @@ def test_on_a_gpu_the_kv_cache_holds_what_the_batch_can_use_within_its_share_of_
      "for its drafter (drafter_placement=own_gpu)), but this machine has 2"),
 ])
 def test_dflash_serve_lends_ray_one_replicas_gpus_with_its_drafters(raw, machine_gpus, lent, monkeypatch):
-    from dflash_serve.services.cli.serve import _local_gpus
+    from dflash_serve.services.cli import serve
 
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: machine_gpus)
+    monkeypatch.setattr(serve, "cuda_device_count", lambda: machine_gpus)
+    _local_gpus = serve._local_gpus
     config = ServeConfig.from_dict(raw)
     if isinstance(lent, str):
         with pytest.raises(ValueError, match=re.escape(lent)):

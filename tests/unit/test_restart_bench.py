@@ -34,3 +34,25 @@ def test_a_replica_that_adopted_its_predecessors_engine_is_back_when_it_says_so(
                "adopted the engine process (pid 50) of a replica that died: its models, KV cache and requests in flight\n")
     since = datetime(2026, 12, 2, 18, 0, 0).timestamp()
     assert timeline(adopted, 77, since) == {"replica started": 3.0, "engine adopted": 3.04}
+
+
+def test_dflash_serves_own_milestones_are_read_from_its_lines(capsys, monkeypatch):
+    """Ray's and Serve's part of a start, from the lines `dflash serve` prints (`_milestone`)."""
+    from dflash_serve.services.bench.restart import cli_timeline
+    from dflash_serve.services.cli import serve
+
+    monkeypatch.setattr(serve, "process_started", lambda: serve.time.time() - 2.94)
+    serve._milestone("Ray is up")
+    monkeypatch.setattr(serve, "process_started", lambda: serve.time.time() - 4.1)
+    serve._milestone("Serve is up; starting the verifier replica (its engine loads the models) and the router")
+    printed = capsys.readouterr().out
+    assert printed.endswith("and the router (4.1 s after start)\n")
+    up = "dflash-serve is up (21.3 s after start): the OpenAI API on http://0.0.0.0:8000/v1 (model 'm'), gRPC ...\n"
+    assert cli_timeline(printed + "(Verifier pid=1) INFO -- models: t (3.0 s after start)\n" + up) == {
+        "Ray up": 2.9, "Serve up": 4.1, "dflash serve up (its deployments ready)": 21.3}
+
+
+def test_this_process_started_before_its_modules_were_imported():
+    from dflash_serve.services.cli import serve
+
+    assert serve.process_started() <= serve._IMPORTED + 0.05
