@@ -38,7 +38,8 @@ LOG_LINE = re.compile(r"\(ServeReplica:dflash:Verifier pid=(\d+)\)\S* \w+ (\d{4}
 MILESTONES = {"replica starting": "replica started", "engine process up": "engine process up",
               "models:": "models named (engine imported)", "target loaded": "target loaded (split)",
               "drafter actor's address received": "drafter actor up (split)", "KV cache:": "KV cache sized",
-              "round graphs captured": "round graphs captured", "round costs measured": "round costs measured",
+              "round graphs captured": "round graphs captured",
+              "prefill graphs captured": "prefill graphs captured", "round costs measured": "round costs measured",
               "round costs from": "round costs loaded", "engine ready": "engine ready",
               "adopted the engine process": "engine adopted"}
 BACK = ("engine ready", "engine adopted")  # a new replica serves from either

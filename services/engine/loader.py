@@ -239,11 +239,13 @@ def _assemble(config: EngineConfig, target: TargetModel, drafter: DFlashDraftMod
         most = min(config.prefill_graph_tokens, config.max_prefill_tokens)
         token_buckets = tuple(b for b in TOKEN_BUCKETS if b <= most)
         if token_buckets:
+            t0 = time.perf_counter()
             engine.prefill_graphs = PrefillGraphs(
                 runner, proposer, kv_block_size=config.kv_block_size, max_blocks=engine.graphs.max_blocks,
                 scratch_slot=(blocks - scratch) * config.kv_block_size, device=device, token_buckets=token_buckets,
                 chunk_buckets=tuple(b for b in CHUNK_BUCKETS if b <= config.max_num_seqs),
             )
+            log.info("prefill graphs captured in %.1f s (tokens %s)", time.perf_counter() - t0, token_buckets)
     if config.round_costs_dir != "":
         engine.round_cost_cache = RoundCostCache(
             Path(config.round_costs_dir) if config.round_costs_dir else cache_dir() / "round-costs",
