@@ -8,12 +8,11 @@ position ids), so prefill chunks and verify blocks of different lengths run in o
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from dflash_serve.kernels import paged_attention, rms_norm
 from dflash_serve.services.engine.fused_target import layer_rope_kinds, rope_tables
@@ -76,8 +75,16 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-AttentionInterface.register(ATTENTION_NAME, _paged_attention_forward)
-AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+@functools.cache
+def register_paged_attention() -> None:
+    """Our attention as transformers' ATTENTION_NAME implementation; done when a runner is built,
+    not on import: transformers' model code takes seconds to import, and the drafter's process,
+    which imports this module, never runs a transformers forward (BENCHMARKS, Restarts)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
 
 
 def fuse_rms_norms(model: nn.Module) -> int:
@@ -154,6 +161,7 @@ class TargetRunner:
         reason = unservable_reason(target)
         if reason is not None:
             raise ValueError(f"{type(model).__name__} cannot be served: {reason}")
+        register_paged_attention()
         if target.device.type == "cuda":
             fuse_rms_norms(model)
         # The HF model stays usable as it was (plain forwards, training): our attention is switched

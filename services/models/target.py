@@ -11,15 +11,17 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_serve.kernels import SkinnyLinear
 from dflash_serve.services.models.revision import folder_revision_error
+
+if TYPE_CHECKING:  # transformers' model code is imported where a target is loaded, not with this module,
+    # which the drafter's process imports too (seconds of its start: BENCHMARKS, Restarts)
+    from transformers import PreTrainedConfig, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ def _cannot_load(name_or_path: str, err: OSError) -> TargetLoadError:
 
 def load_target_config(name_or_path: str, revision: str | None = None) -> PreTrainedConfig:
     """The target's text config alone (no weights), with the same error as loading the model."""
+    from transformers import AutoConfig
+
     _check_revision(name_or_path, revision)
     try:
         return AutoConfig.from_pretrained(name_or_path, revision=revision).get_text_config()
@@ -72,6 +76,8 @@ def _load_text_model(name_or_path: str, config: PreTrainedConfig, *, dtype, revi
     """The causal LM of a multimodal checkpoint's text config (Gemma-4's `…ForCausalLM`), with
     the checkpoint's text weights; every text weight must be there, and only other modalities'
     are left unread."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
     text_config = config.get_text_config()
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(text_config)]
     prefix = TEXT_MODEL_PREFIX[config.model_type]
@@ -139,6 +145,8 @@ class TargetModel:
         revision: str | None = None,
     ) -> TargetModel:
         """revision: the hub commit or tag of a repo id (None: its default branch)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
         _check_revision(name_or_path, revision)
         try:
             config = AutoConfig.from_pretrained(name_or_path, revision=revision)

@@ -233,3 +233,15 @@ def test_spawning_a_drafter_actor_imports_no_torch_in_the_verifier_replica():
              "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]")
     child = subprocess.run([sys.executable, "-c", check], capture_output=True, timeout=120)
     assert child.returncode == 0, child.stderr.decode()[-2000:]
+
+
+def test_the_drafter_actors_process_loads_the_drafter_without_transformers():
+    """The drafter's forward is ours: its process need not import transformers' model code, which
+    took seconds of the drafter actor's start, on a split replica's path to ready (BENCHMARKS, Restarts)."""
+    check = ("import sys, torch\n"
+             "from dflash_serve.services.drafter.server import DrafterServer\n"
+             "from dflash_serve.services.models.default_pair import DEFAULT_DRAFTER_DIR\n"
+             "DrafterServer.load(str(DEFAULT_DRAFTER_DIR), device='cpu', dtype=torch.float32)\n"
+             "assert 'transformers' not in sys.modules, sorted(m for m in sys.modules if 'transformers' in m)[:5]")
+    child = subprocess.run([sys.executable, "-c", check], capture_output=True, timeout=120)
+    assert child.returncode == 0, child.stderr.decode()[-2000:]
