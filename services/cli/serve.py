@@ -81,13 +81,29 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         with cuda_mps() if args.cuda_mps else contextlib.nullcontext():
-            return _serve_on_ray(args, config, num_gpus)
+            return _serve_on_ray(config, num_gpus)
     except CudaMpsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
 
-def _serve_on_ray(args: argparse.Namespace, config: ServeConfig, num_gpus: int) -> int:
+def _serve_on_ray(config: ServeConfig, num_gpus: int) -> int:
+    forkserver = None
+    if config.engine_adoption_s > 0:  # engine processes are detached: forked ones may be (`engine_forkserver`)
+        from dflash_serve.services.verifier.engine_forkserver import EngineForkServer
+
+        try:
+            forkserver = EngineForkServer()  # it imports the engine while Ray and Serve start
+        except OSError as err:
+            print(f"dflash-serve: engine processes start without the fork server ({err})", file=sys.stderr, flush=True)
+    try:
+        return _start_ray_and_serve(config, num_gpus)
+    finally:
+        if forkserver is not None:
+            forkserver.stop()
+
+
+def _start_ray_and_serve(config: ServeConfig, num_gpus: int) -> int:
     import ray
     from ray import serve
     from ray.serve.config import HTTPOptions, ProxyLocation, gRPCOptions
@@ -107,8 +123,9 @@ def _serve_on_ray(args: argparse.Namespace, config: ServeConfig, num_gpus: int) 
     _milestone("Serve is up; starting the verifier replica (its engine loads the models) and the router")
     # No HTTP route with the routers serving the ports themselves (Serve would announce its proxy's address).
     serve.run(build_app(config), name="dflash", route_prefix="/" if config.ingress == "serve" else None)
-    print(f"dflash-serve is up ({time.time() - process_started():.1f} s after start): the OpenAI API on http://{config.http_host}:{config.http_port}/v1 (model "
-          f"{config.model_name!r}), gRPC on port {config.grpc_port} of every interface (dflash.v1.Generation), "
+    print(f"dflash-serve is up ({time.time() - process_started():.1f} s after start): the OpenAI API on "
+          f"http://{config.http_host}:{config.http_port}/v1 (model {config.model_name!r}), gRPC on port "
+          f"{config.grpc_port} of every interface (dflash.v1.Generation), "
           f"metrics on port {config.metrics_port} (/metrics)"
           + (", API keys required" if config.api_keys_file else "") + ". Try: dflash client --prompt 'Hello'",
           flush=True)

@@ -20,11 +20,13 @@ streams then end as a replica's death ends them (UNAVAILABLE: retry).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
 import re
 import select
+import signal
 import socket
 import struct
 import sys
@@ -69,6 +71,22 @@ def identity(config: dict, record_metrics: bool, intake_host: str, fingerprint: 
     return json.dumps([fingerprint, config, record_metrics, intake_host], sort_keys=True, default=str)
 
 
+def private_folder(directory: Path) -> None:
+    """Makes `directory` (and its parent) this user's alone, or raises PermissionError if someone
+    else owns either or may write there."""
+    directory.parent.mkdir(mode=0o700, exist_ok=True)
+    directory.mkdir(mode=0o700, exist_ok=True)
+    if not _ours(directory):
+        raise PermissionError(f"{directory} or its parent is not this user's alone")
+
+
+def die_with_parent() -> None:
+    """SIGKILL when the process (the thread) that started this one ends, however it ends (Linux)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def _ours(directory: Path) -> bool:
     """Whether `directory` and its parent are this user's and no one else may write there."""
     for folder in (directory, directory.parent):
@@ -78,7 +96,7 @@ def _ours(directory: Path) -> bool:
     return True
 
 
-def _peer(sock: socket.socket) -> tuple[int, int]:
+def peer(sock: socket.socket) -> tuple[int, int]:
     """The (pid, uid) of a Unix socket's other end."""
     pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     return pid, uid
@@ -89,10 +107,7 @@ class OrphanListener:
 
     def __init__(self):
         directory = adoption_dir()
-        directory.parent.mkdir(mode=0o700, exist_ok=True)
-        directory.mkdir(mode=0o700, exist_ok=True)
-        if not _ours(directory):
-            raise PermissionError(f"{directory} or its parent is not this user's alone: no adoption")
+        private_folder(directory)
         self.path = directory / f"{os.getpid()}.sock"
         self.path.unlink(missing_ok=True)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -105,7 +120,7 @@ class OrphanListener:
     def accept(self) -> Connection | None:
         """The connection of a process of this user; None for anyone else's (closed unread)."""
         conn, _ = self.sock.accept()
-        if _peer(conn)[1] != os.getuid():
+        if peer(conn)[1] != os.getuid():
             conn.close()
             return None
         conn.setblocking(True)
@@ -136,7 +151,7 @@ def offer(wanted: str) -> tuple[Connection, int, dict] | None:
             if wait_exit(pid, 0):
                 path.unlink(missing_ok=True)
             continue
-        if _peer(sock) != (pid, os.getuid()):  # not the orphan its name says
+        if peer(sock) != (pid, os.getuid()):  # not the orphan its name says
             sock.close()
             continue
         sock.settimeout(None)

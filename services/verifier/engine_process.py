@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
 import logging
 import logging.handlers
 import os
 import secrets
 import selectors
-import signal
 import socket
 import sys
 import threading
@@ -612,13 +610,6 @@ class _PipeLogHandler(logging.StreamHandler):
             super().emit(record)
 
 
-def _die_with_parent() -> None:
-    """SIGKILL when the replica's process ends, however it ends (Linux); for engine_adoption_s 0."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
 def main(argv: list[str] | None = None) -> int:
     """`python -m dflash_serve.services.verifier.engine_process FD`: FD is this process's end of
     the replica's socket pair."""
@@ -637,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         _, config, record_metrics, intake_host = message
         serve_config = ServeConfig.from_dict(config)
         if serve_config.engine_adoption_s <= 0:
-            _die_with_parent()
+            adoption.die_with_parent()
         loop = build_loop(serve_config, pipe, record_metrics=record_metrics, intake_host=intake_host,
                           identity=adoption.identity(config, record_metrics, intake_host, fingerprint))
     except ReplicaGone:

@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from dflash_serve.services.config import ServeConfig
-from dflash_serve.services.verifier import adoption
+from dflash_serve.services.verifier import adoption, engine_forkserver
 from dflash_serve.services.verifier.engine_metrics import EngineMetrics
 
 if TYPE_CHECKING:  # this module imports no torch: the replica's process starts its engine's process first
@@ -278,7 +278,8 @@ class EngineProcess:
         """Start one. detached (engine_adoption_s > 0): not a child of this process but of init
         (started through a shell that exits), in a session of its own, so that Ray, which kills a
         worker's children and process group when it ends it (ray.kill, a failed health check),
-        leaves it to be adopted. Otherwise a thread of this replica starts it and waits for it, for
+        leaves it to be adopted; forked by `dflash serve`'s `engine_forkserver` where there is one,
+        which has imported the engine already. Otherwise a thread of this replica starts it and waits for it, for
         as long as it lives: the process asks to be killed when that thread ends (PR_SET_PDEATHSIG
         names the thread, not the process), which happens when this replica's process dies, however
         it dies."""
@@ -289,6 +290,9 @@ class EngineProcess:
         command = [sys.executable, "-m", "dflash_serve.services.verifier.engine_process", str(theirs.fileno())]
         if detached:
             try:
+                forked = engine_forkserver.fork_engine(theirs.fileno(), env)  # imported already: seconds sooner
+                if forked is not None:
+                    return cls(Connection(ours.detach()), forked)
                 # Its pid comes back on the pipe (fd 3); its own output goes where this process's errors go.
                 shell = subprocess.run(["/bin/sh", "-c", 'exec 3>&1 1>&2; "$@" </dev/null 3>&- & echo $! >&3', "sh",
                                         *command], pass_fds=(theirs.fileno(),), env=env, stdout=subprocess.PIPE,
