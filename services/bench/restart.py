@@ -37,7 +37,8 @@ PROBE = generation_pb2.GenerateRequest(prompt="def add(a, b):",
 LOG_LINE = re.compile(r"\(ServeReplica:dflash:Verifier pid=(\d+)\)\S* \w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \S+ -- (.*)")
 MILESTONES = {"replica starting": "replica started", "engine process up": "engine process up",
               "models:": "models named (engine imported)", "target loaded": "target loaded (split)",
-              "drafter actor's address received": "drafter actor up (split)", "KV cache:": "KV cache sized",
+              "drafter actor's address received": "drafter actor up (split)", "drafter attached": "drafter attached (split)",
+              "KV cache:": "KV cache sized",
               "round graphs captured": "round graphs captured",
               "prefill graphs captured": "prefill graphs captured", "round costs measured": "round costs measured",
               "round costs from": "round costs loaded", "engine ready": "engine ready",
@@ -45,7 +46,9 @@ MILESTONES = {"replica starting": "replica started", "engine process up": "engin
 BACK = ("engine ready", "engine adopted")  # a new replica serves from either
 # `dflash serve`'s own milestones, in seconds from its process's start: "dflash-serve: Ray is up (2.9 s after start)".
 CLI_LINE = re.compile(r"^dflash-serve(?::| is) ([^\n]*?)\s*\((\d+\.\d+) s after start\)", re.MULTILINE)
-CLI_MILESTONES = {"Ray is up": "Ray up", "Serve is up": "Serve up", "up": "dflash serve up (its deployments ready)"}
+CLI_MILESTONES = {"Ray is up": "Ray up", "Serve is up": "Serve up",
+                  "answering": "dflash serve answering (its deployments ready; split: target-only)",
+                  "up": "dflash serve up (with its drafter)"}
 
 
 def verifier_pids() -> list[int]:

@@ -123,6 +123,9 @@ def _start_ray_and_serve(config: ServeConfig, num_gpus: int) -> int:
     _milestone("Serve is up; starting the verifier replica (its engine loads the models) and the router")
     # No HTTP route with the routers serving the ports themselves (Serve would announce its proxy's address).
     serve.run(build_app(config), name="dflash", route_prefix="/" if config.ingress == "serve" else None)
+    if config.topology == "split" and config.engine.drafter:  # target-only until the drafter actor attaches
+        _milestone("answering (target-only until the drafter attaches)")
+        _wait_for_the_drafter(serve.get_deployment_handle("Verifier", app_name="dflash"))
     print(f"dflash-serve is up ({time.time() - process_started():.1f} s after start): the OpenAI API on "
           f"http://{config.http_host}:{config.http_port}/v1 (model {config.model_name!r}), gRPC on port "
           f"{config.grpc_port} of every interface (dflash.v1.Generation), "
@@ -137,6 +140,19 @@ def _start_ray_and_serve(config: ServeConfig, num_gpus: int) -> int:
         ray.shutdown()
         _remove_leftovers(started)
     return 0
+
+
+DRAFTER_WAIT_S = 300.0  # the drafter actor's start (its weights from the hub included) is not longer
+
+
+def _wait_for_the_drafter(verifier, timeout_s: float = DRAFTER_WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not verifier.stats.remote().result()["speculative"]:
+        if time.monotonic() > deadline:
+            print(f"dflash-serve: the drafter has not attached in {timeout_s:.0f} s; serving target-only until it does "
+                  "(the Verifier replica's log says why)", file=sys.stderr, flush=True)
+            return
+        time.sleep(0.2)
 
 
 def process_started() -> float:

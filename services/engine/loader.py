@@ -75,8 +75,9 @@ def num_kv_blocks(config: EngineConfig, device: torch.device, bytes_per_block: i
                   reserved: int = 0) -> int:
     """`usable`: the blocks max_num_seqs sequences of max_model_len tokens can hold at once. More
     would only lengthen every start (85 % of an H200 for the 135 M default pair took 14 s to
-    allocate) and hold memory a second process on the GPU could use. `reserved`: bytes of the
-    cache held apart from the blocks (sliding-window layers' window slots)."""
+    allocate) and hold memory a second process on the GPU could use. `reserved`: bytes of free
+    memory held apart from the blocks (sliding-window layers' window slots, the weights of a
+    drafter that another process loads meanwhile)."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
     if device.type != "cuda":
@@ -151,19 +152,22 @@ def build_engine(config: EngineConfig) -> Engine:
 
 def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDraftModel | None, *, tokenizer=None,
                     eos_token_ids: set[int] | frozenset[int] = frozenset(),
-                    remote_drafter: DFlashDraftConfig | None = None, remote_drafter_kv_here: bool = True) -> Engine:
+                    remote_drafter: DFlashDraftConfig | None = None, remote_drafter_kv_here: bool = True,
+                    remote_drafter_bytes: int = 0) -> Engine:
     """An engine around models already in memory: KV pools sized to the device, CUDA graphs.
 
     `remote_drafter`: the config of a drafter that another process will serve (it is attached
     later); the verify graphs take its drafts from the host. Its KV pool, the same number of
     blocks, is counted in the sizing when it lives on this GPU (`remote_drafter_kv_here`), not
-    when the drafter has a GPU of its own.
+    when the drafter has a GPU of its own; so are its weights' `remote_drafter_bytes`, which
+    that process may not have loaded yet.
 
     With `config.tensor_parallel_size` > 1 the other ranks' processes start here and `target`
     becomes rank 0's shard (`tensor_parallel`); they stop if the engine cannot be built."""
     tp = launch(config, target) if config.tensor_parallel_size > 1 else None
     try:
-        return _assemble(config, target, drafter, tokenizer, eos_token_ids, remote_drafter, remote_drafter_kv_here, tp)
+        return _assemble(config, target, drafter, tokenizer, eos_token_ids, remote_drafter, remote_drafter_kv_here,
+                         remote_drafter_bytes, tp)
     except BaseException:
         if tp is not None:
             tp.close()
@@ -172,7 +176,7 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
 
 def _assemble(config: EngineConfig, target: TargetModel, drafter: DFlashDraftModel | None, tokenizer,
               eos_token_ids: set[int] | frozenset[int], remote_drafter: DFlashDraftConfig | None,
-              remote_drafter_kv_here: bool, tp: TensorParallel | None) -> Engine:
+              remote_drafter_kv_here: bool, remote_drafter_bytes: int, tp: TensorParallel | None) -> Engine:
     device, dtype = target.device, target.dtype
     t_layout = TargetRunner.kv_layout(target)
     per_block = KVPool.layout_bytes_per_block(t_layout, config.kv_block_size, dtype)
@@ -193,7 +197,7 @@ def _assemble(config: EngineConfig, target: TargetModel, drafter: DFlashDraftMod
     max_len = config.max_model_len or int(getattr(target.config, "max_position_embeddings", 0) or 32768)
     # A sequence holds its tokens plus a round's lookahead (a chained round: two).
     usable = config.max_num_seqs * -(-(max_len + 2 * lookahead) // config.kv_block_size) + scratch
-    blocks = num_kv_blocks(config, device, per_block, usable=usable)
+    blocks = num_kv_blocks(config, device, per_block, usable=usable, reserved=remote_drafter_bytes)
     window_slots = 0
     window = KVPool.window_of(t_layout)
     if window is not None:  # the sliding-window layers' K/V in window slots, where that holds more
@@ -201,7 +205,7 @@ def _assemble(config: EngineConfig, target: TargetModel, drafter: DFlashDraftMod
                                         config.max_prefill_tokens)
         slot_bytes = KVPool.layout_bytes_per_block(t_layout, config.kv_block_size, dtype, windowed=True)
         windowed_blocks = num_kv_blocks(config, device, per_block - slot_bytes, usable=usable,
-                                        reserved=(window_slots + scratch) * slot_bytes)
+                                        reserved=(window_slots + scratch) * slot_bytes + remote_drafter_bytes)
         if window_slots + scratch < windowed_blocks:
             log.info("KV cache: sliding-window layers (window %d) in %d window slots", window, window_slots)
             blocks, per_block = windowed_blocks, per_block - slot_bytes

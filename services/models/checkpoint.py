@@ -9,6 +9,7 @@ loads "mostly" runs but accepts nothing.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -89,6 +90,16 @@ def read_state_dict(folder: Path, device: str | torch.device = "cpu") -> dict[st
                     raise CheckpointError(f"tensor '{key}' appears in more than one weight file ({file.name})")
                 state[key] = f.get_tensor(key)
     return state
+
+
+def count_weights(folder: Path) -> int:
+    """How many numbers the checkpoint's weights hold, read from the safetensors headers alone."""
+    count = 0
+    for file in weight_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                count += math.prod(f.get_slice(name).get_shape())
+    return count
 
 
 def check_state_dict(model: DFlashDraftModel, state: dict[str, torch.Tensor], source: str) -> None:

@@ -16,9 +16,11 @@ The pipe carries pickled lists of messages, one list a send:
                      ("add", request_id, prompt_ids, params, reply_to) | ("cancel", request_id) |
                      ("stats", token) | ("stop",)
   engine -> replica: ("ready", info) | ("failed", text) | ("ended", request_id, stream_id, error) |
-                     ("stats", token, dict) | ("metrics", events) | ("drafter_lost",) | ("log", record) |
+                     ("stats", token, dict) | ("metrics", events) | ("drafter_wanted",) | ("log", record) |
                      ("loop_error", text)
-An `ended` error is (exception type name, message); `metrics` carries `MetricEvents`' events.
+An `ended` error is (exception type name, message); `metrics` carries `MetricEvents`' events;
+`drafter_wanted`: a split engine has no drafter attached (at its start, or after the drafter died), and
+the replica answers with ("drafter", address) once its drafter actor is up.
 A replica that adopts an orphan sends ("adopt", identity) first instead, and hears ("ready", info)
 or ("refused", why) (`adoption`).
 
@@ -105,7 +107,7 @@ class EngineLoop:
         self.metrics = MetricEvents() if record_metrics else None
         self._shared = []  # shared buffers the drafter maps; alive as long as this process
         self._remote_proposer = None
-        self._drafter_lost_sent = False
+        self._drafter_asked = False  # ("drafter_wanted",) sent, no address back yet
         self._replies: list = []  # messages for the replica, sent once a step
         self._channels: dict[StreamAddress, RouterChannel] = {}  # by router, reused
         # Routers' streams being opened, with the adds waiting for them.
@@ -150,16 +152,17 @@ class EngineLoop:
         )
         self.engine.attach_proposer(proposer)
         self._remote_proposer = proposer
-        self._drafter_lost_sent = False
+        self._drafter_asked = False
 
-    def _reattach(self, address) -> None:
-        """A restarted drafter's address, which the replica asked its actor for."""
+    def _attach_drafter(self, address) -> None:
+        """The drafter actor's address, which the replica asked it for once it was up (at the start,
+        after the drafter's death, after an adoption)."""
         try:
             self.connect_drafter(address)
-            log.info("drafter reattached; speculative decoding resumed")
+            log.info("drafter attached; speculative decoding on")
         except Exception as err:  # noqa: BLE001 - the actor is still restarting; the replica asks again
             log.info("drafter not back yet: %s", err)
-            self._drafter_lost_sent = False
+            self._drafter_asked = False
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -208,9 +211,9 @@ class EngineLoop:
             busy = engine.has_unfinished()
             self._read_messages(0 if busy else CONNECTING_WAIT_S if self._connecting else IDLE_WAIT_S)
             self._admit_connected()
-            if engine.proposer is None and self._remote_proposer is not None and not self._drafter_lost_sent:
-                self._replies.append(("drafter_lost",))
-                self._drafter_lost_sent = True
+            if engine.proposer is None and self.draft_block_size and not self._drafter_asked:
+                self._replies.append(("drafter_wanted",))  # none yet, or it died: target-only meanwhile
+                self._drafter_asked = True
             if not engine.has_unfinished():
                 self._flush_outputs()  # bytes a router's socket did not take at the last step
                 if engine.device.type == "cuda" and now >= next_health:
@@ -319,7 +322,7 @@ class EngineLoop:
         self._orphan = None
         self.pipe.conn = conn
         self._selector.register(conn, selectors.EVENT_READ)
-        self._drafter_lost_sent = False  # the new replica's drafter actor reattaches on hearing it
+        self._drafter_asked = False  # the new replica's drafter actor attaches on hearing it
         log.info("adopted by a new verifier replica after %.1f s; serving %d request(s)",
                  time.monotonic() - self._orphaned_at, len(self._requests))
 
@@ -367,7 +370,7 @@ class EngineLoop:
         elif kind == "stats":
             self._replies.append(("stats", message[1], self.stats()))
         elif kind == "drafter":
-            self._reattach(message[1])
+            self._attach_drafter(message[1])
         elif kind == "stop":
             self._stopping = True
         else:
@@ -549,9 +552,9 @@ class EngineLoop:
 
 def build_loop(config: ServeConfig, pipe: Pipe, *, record_metrics: bool, intake_host: str,
                identity: str = "") -> EngineLoop:
-    """The engine of `config`. With topology split, the target is loaded while the drafter actor
-    loads its own weights; the KV cache is sized once the replica says where the drafter is
-    (its weights are on the GPU by then)."""
+    """The engine of `config`. With topology split it does not wait for the drafter actor, which
+    loads meanwhile: its weights' bytes are kept free on a shared GPU, and the replica sends its
+    address once it is up (`connect_drafter`); the engine decodes target-only until then."""
     from dflash_serve.services.engine.loader import assemble_engine, build_engine, resolve_dtype
 
     engine_cfg = config.engine
@@ -562,26 +565,23 @@ def build_loop(config: ServeConfig, pipe: Pipe, *, record_metrics: bool, intake_
 
     from dflash_serve.services.engine.loader import load_tokenizer, log_models
     from dflash_serve.services.models import TargetModel
-    from dflash_serve.services.models.checkpoint import read_draft_config, resolve_checkpoint
+    from dflash_serve.services.models.checkpoint import count_weights, read_draft_config, resolve_checkpoint
 
     log_models(engine_cfg)
-    draft_cfg = read_draft_config(resolve_checkpoint(engine_cfg.drafter, engine_cfg.drafter_revision))
+    draft_folder = resolve_checkpoint(engine_cfg.drafter, engine_cfg.drafter_revision)
+    draft_cfg = read_draft_config(draft_folder)
     device = torch.device(engine_cfg.device)
     dtype = resolve_dtype(engine_cfg.dtype, device)
     target = TargetModel.from_pretrained(engine_cfg.target, draft_cfg.target_layer_ids, dtype=dtype,
                                          device=device, revision=engine_cfg.target_revision)
     tokenizer, eos = load_tokenizer(engine_cfg)
-    log.info("target loaded; waiting for the drafter actor's address")
-    (message,) = _receive(pipe.conn)
-    if message[0] != "drafter":
-        raise RuntimeError(f"expected the drafter's address from the replica, got {message[0]!r}")
-    log.info("drafter actor's address received")
+    log.info("target loaded")
+    shared = config.drafter_placement == "shared"
+    drafter_bytes = count_weights(draft_folder) * dtype.itemsize if shared and device.type == "cuda" else 0
     engine = assemble_engine(engine_cfg, target, None, tokenizer=tokenizer, eos_token_ids=eos,
-                             remote_drafter=draft_cfg, remote_drafter_kv_here=config.drafter_placement == "shared")
-    loop = EngineLoop(engine, pipe, config, record_metrics=record_metrics, intake_host=intake_host,
+                             remote_drafter=draft_cfg, remote_drafter_kv_here=shared, remote_drafter_bytes=drafter_bytes)
+    return EngineLoop(engine, pipe, config, record_metrics=record_metrics, intake_host=intake_host,
                       draft_block_size=draft_cfg.block_size, identity=identity)
-    loop.connect_drafter(message[1])
-    return loop
 
 
 def _receive(conn: Connection) -> list:

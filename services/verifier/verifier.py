@@ -96,8 +96,8 @@ class Verifier:
         adopted = self.config.engine_adoption_s > 0 and EngineProcess.adopt(
             adoption.identity(config_dict, metrics is not None, intake_host, adoption.code_fingerprint()))
         if adopted:
-            # Its drafter died with the last replica: the engine says so (drafter_lost) at its next
-            # round and this replica's actor reattaches (`_reattach`), target-only until then.
+            # Its drafter died with the last replica: the engine says so (drafter_wanted) and this
+            # replica's actor attaches once up (`_attach_drafter`), target-only until then.
             self._process, self.info = adopted
             log.info("adopted the engine process (pid %d) of a replica that died: its models, KV cache and "
                      "requests in flight", self._process.pid)
@@ -111,20 +111,17 @@ class Verifier:
         self._stats: dict[int, _Call] = {}
         self._tokens = itertools.count()
         self._loop_error = ""
-        self._reattaching = threading.Lock()
+        self._attaching = threading.Lock()
+        self._drafter_sent = False  # an address sent to the engine: a later one is a restarted actor's
         self._reader = threading.Thread(target=self._read, name="engine-replies", daemon=True)
         self._reader.start()
 
     def _start_engine(self, config_dict: dict, record_metrics: bool, intake_host: str) -> None:
+        """With topology split the engine does not wait for the drafter actor: it asks for it
+        (drafter_wanted) once built, and decodes target-only until it attaches."""
         self._process = EngineProcess.spawn(detached=self.config.engine_adoption_s > 0)
         try:
             self._process.send([("config", config_dict, record_metrics, intake_host)])
-            if self.config.topology == "split":  # the engine sizes its KV cache once the drafter's weights are in
-                import ray
-
-                address = ray.get(self.drafter_actor.address.remote(), timeout=600)
-                check_same_node(self.drafter_actor)
-                self._process.send([("drafter", address)])
             self.info = self._process.wait_ready()
         except BaseException:
             self._process.stop()
@@ -198,7 +195,7 @@ class Verifier:
 
     def _read(self) -> None:
         handlers = {"ended": self._ended, "stats": self._stats_reply, "metrics": self._metrics,
-                    "drafter_lost": self._drafter_lost, "log": _log_record, "loop_error": self._loop_stopped}
+                    "drafter_wanted": self._drafter_wanted, "log": _log_record, "loop_error": self._loop_stopped}
         while True:
             try:
                 messages = self._process.conn.recv()
@@ -231,30 +228,37 @@ class Verifier:
     def _loop_stopped(self, text: str) -> None:
         self._loop_error = text
 
-    def _drafter_lost(self) -> None:
-        """The engine lost its drafter: ask the actor (Ray restarts it) for its address, off this
-        thread, and hand it over; the engine decodes target-only meanwhile and says again if that
-        address does not work yet."""
-        if self.drafter_actor is not None and self._reattaching.acquire(blocking=False):
-            threading.Thread(target=self._reattach, name="drafter-reattach", daemon=True).start()
+    def _drafter_wanted(self) -> None:
+        """The engine has no drafter (it just started, or its drafter died): ask the actor (which Ray
+        restarts) for its address, off this thread, and hand it over; the engine decodes
+        target-only meanwhile and asks again if that address does not work yet."""
+        if self.drafter_actor is not None and self._attaching.acquire(blocking=False):
+            threading.Thread(target=self._attach_drafter, name="drafter-attach", daemon=True).start()
 
-    def _reattach(self) -> None:
+    def _attach_drafter(self) -> None:
         import ray
 
         try:
-            time.sleep(1.0)  # a restarting actor is not back sooner
+            if self._drafter_sent:
+                time.sleep(1.0)  # a restarting actor is not back sooner
             while self._process.alive:
                 try:
-                    address = ray.get(self.drafter_actor.address.remote(), timeout=60)
-                except Exception as err:  # noqa: BLE001 - still restarting: ask again
-                    log.info("drafter not back yet: %s", err)
+                    address = ray.get(self.drafter_actor.address.remote(), timeout=600)
+                    check_same_node(self.drafter_actor)
+                except RuntimeError:  # on another node: it can never attach
+                    log.exception("the drafter actor cannot attach; decoding target-only")
+                    return
+                except Exception as err:  # noqa: BLE001 - still starting or restarting: ask again
+                    log.info("drafter not up yet: %s", err)
                     continue
+                log.info("drafter actor's address received")
                 self._send([("drafter", address)])
+                self._drafter_sent = True
                 return
         except ConnectionError:  # _send's: the engine's process is gone
             pass
         finally:
-            self._reattaching.release()
+            self._attaching.release()
 
     def shutdown(self) -> None:
         self._process.stop()

@@ -12,6 +12,7 @@ import os
 import random
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -181,10 +182,16 @@ def deployed_app(ports: dict, model_pair: tuple[str, str], **serve_config) -> It
                             "grpc_port": ports["grpc"], "ingress": "serve", **serve_config})
     serve.run(build_app(config), name="dflash", route_prefix="/")
     channel = grpc.insecure_channel(f"127.0.0.1:{config.grpc_port}")
+    verifier = serve.get_deployment_handle("Verifier", app_name="dflash")
     try:
         grpc.channel_ready_future(channel).result(timeout=30)
+        if config.topology == "split":  # it serves target-only until its drafter attaches; the tests read rounds
+            deadline = time.monotonic() + 120
+            while not verifier.stats.remote().result()["speculative"]:
+                assert time.monotonic() < deadline, "the drafter did not attach within 120 s"
+                time.sleep(0.2)
         yield {"config": config, "channel": channel, "stub": generation_pb2_grpc.GenerationStub(channel),
-               "verifier": serve.get_deployment_handle("Verifier", app_name="dflash"), "ports": ports}
+               "verifier": verifier, "ports": ports}
     finally:
         channel.close()
         serve.delete("dflash")

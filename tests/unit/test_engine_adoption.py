@@ -174,3 +174,49 @@ def test_no_adoption_through_a_folder_others_may_write_to(orphans):
     with pytest.raises(PermissionError, match="not this user's alone"):
         adoption.OrphanListener()
     assert adoption.offer("any identity") is None
+
+
+def test_a_split_engine_is_ready_before_its_drafter_asks_for_it_and_speculates_once_attached(tmp_path, orphans):
+    """Topology split: the engine does not wait for the drafter actor's start (the longest part of a
+    replica's, BENCHMARKS *Restarts*); it decodes target-only until the replica sends the address."""
+    import torch
+
+    from dflash_serve.services.drafter.server import DrafterServer
+
+    config = _config(tmp_path, engine_adoption_s=0, topology="split")
+    engine_cfg = ServeConfig.from_dict(config).engine
+    expected = build_engine(engine_cfg).generate([PROMPT], GREEDY)[0].output_ids
+    process, _ = _start_replica(config)
+    try:
+        assert process.conn.poll(30)
+        assert ("drafter_wanted",) in process.conn.recv()
+        process.send([("stats", 0)])
+        assert _reply(process, "stats")[2]["speculative"] is False
+        drafter = DrafterServer.load(engine_cfg.drafter, device="cpu", dtype=torch.float32)
+        drafter.start()
+        process.send([("drafter", drafter.address), ("stats", 1)])
+        assert _reply(process, "stats")[2]["speculative"] is True
+
+        async def scenario():
+            listener = OutputListener()
+            queue, tokens = await _request_until_first_tokens(process.send, listener, "split")
+            rest, last = await _rest(queue)
+            await listener.aclose()
+            return tokens + rest, last
+
+        tokens, last = asyncio.run(scenario())
+        assert last.finished and tokens == expected
+        process.send([("stats", 2)])
+        assert _reply(process, "stats")[2]["speculative"] is True  # not lost: it drafted
+    finally:
+        process.stop()
+
+
+def _reply(process: EngineProcess, kind: str) -> tuple:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.conn.poll(1):
+            for message in process.conn.recv():
+                if message[0] == kind:
+                    return message
+    raise AssertionError(f"no {kind} reply")
