@@ -196,20 +196,26 @@ def test_a_split_engine_is_ready_before_its_drafter_asks_for_it_and_speculates_o
         drafter.start()
         process.send([("drafter", drafter.address), ("stats", 1)])
         assert _reply(process, "stats")[2]["speculative"] is True
-
-        async def scenario():
-            listener = OutputListener()
-            queue, tokens = await _request_until_first_tokens(process.send, listener, "split")
-            rest, last = await _rest(queue)
-            await listener.aclose()
-            return tokens + rest, last
-
-        tokens, last = asyncio.run(scenario())
+        tokens, last = generate(process.send, "split")
         assert last.finished and tokens == expected
         process.send([("stats", 2)])
         assert _reply(process, "stats")[2]["speculative"] is True  # not lost: it drafted
     finally:
         process.stop()
+
+
+def generate(send, request_id: str) -> tuple[list[int], object]:
+    """A request sent through `send` (a replica's pipe) with its outputs on a router's listener:
+    its tokens and its last output."""
+
+    async def scenario():
+        listener = OutputListener()
+        queue, tokens = await _request_until_first_tokens(send, listener, request_id)
+        rest, last = await _rest(queue)
+        await listener.aclose()
+        return tokens + rest, last
+
+    return asyncio.run(scenario())
 
 
 def _reply(process: EngineProcess, kind: str) -> tuple:

@@ -4,7 +4,6 @@ its own where there is no server or it runs other code."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
@@ -13,9 +12,8 @@ import pytest
 from dflash_serve.services.config import ServeConfig
 from dflash_serve.services.engine.loader import build_engine
 from dflash_serve.services.verifier import adoption, engine_forkserver
-from dflash_serve.services.verifier.output_stream import OutputListener
 from dflash_serve.services.verifier.verifier import Verifier
-from tests.unit.test_engine_adoption import GREEDY, PROMPT, _config, _request_until_first_tokens, _rest, orphans  # noqa: F401
+from tests.unit.test_engine_adoption import GREEDY, PROMPT, _config, generate, orphans  # noqa: F401
 
 
 @pytest.fixture
@@ -37,15 +35,7 @@ def test_a_replicas_engine_process_is_forked_by_the_server_and_serves(tmp_path, 
     pid = verifier._process.pid
     assert _parent(pid) == forkserver.process.pid  # not a child of the replica: detached, as adoption needs
     assert Path(f"/proc/{pid}/comm").read_text().strip() == "dflash-engine"
-
-    async def scenario():
-        listener = OutputListener()
-        queue, tokens = await _request_until_first_tokens(verifier._send, listener, "forked")
-        rest, last = await _rest(queue)
-        await listener.aclose()
-        return tokens + rest, last
-
-    tokens, last = asyncio.run(scenario())
+    tokens, last = generate(verifier._send, "forked")
     assert last.finished and tokens == expected
     forkserver.stop()  # the server ends with `dflash serve`; the engine processes it forked live on
     assert not adoption.wait_exit(pid, 0.5)
