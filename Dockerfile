@@ -9,13 +9,15 @@
 FROM nvidia/cuda:13.0.2-runtime-ubuntu24.04
 
 # Python 3.12; a C compiler and Python headers, which Triton needs at run time to build its GPU
-# launchers; bash and wget, which KubeRay's probes and init container call.
+# launchers; bash and wget, which KubeRay's probes and init container call; tini, PID 1 under
+# `docker run`: it reaps the processes orphaned to it (an engine process whose replica died and that
+# nobody adopted, Ray's workers) and passes SIGTERM on to `dflash serve`.
 # Ubuntu's archive drops superseded package versions, so exact apt pins would break rebuilds:
 # the base image tag pins the release instead.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
-        python3 python3-venv python3-dev gcc libc6-dev wget ca-certificates \
+        python3 python3-venv python3-dev gcc libc6-dev wget ca-certificates tini \
     && rm -rf /var/lib/apt/lists/*
 
 # The user the chart's securityContext runs as (a high uid, clear of the host's users).
@@ -74,5 +76,5 @@ EXPOSE 9000 8000 8080 8265
 HEALTHCHECK --interval=30s --timeout=10s --start-period=900s --retries=3 \
     CMD ["python", "-c", "import sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; r = g.HealthStub(grpc.insecure_channel('127.0.0.1:9000')).Check(h.HealthCheckRequest(), timeout=5); sys.exit(r.status != h.HealthCheckResponse.SERVING)"]
 
-ENTRYPOINT ["dflash", "serve"]
+ENTRYPOINT ["tini", "--", "dflash", "serve"]
 CMD ["--config", "/etc/dflash/config.yaml"]

@@ -83,7 +83,7 @@ def test_the_image_runs_as_the_charts_non_root_user():
 def test_entry_point_is_dflash_serve_on_the_documented_config_path():
     (entrypoint,) = arguments("ENTRYPOINT")
     (cmd,) = arguments("CMD")
-    assert json.loads(entrypoint) == ["dflash", "serve"]
+    assert json.loads(entrypoint) == ["tini", "--", "dflash", "serve"]  # an init as PID 1 reaps orphans
     assert json.loads(cmd) == ["--config", IMAGE_CONFIG_PATH]
     assert f":{IMAGE_CONFIG_PATH}:ro" in DOCKERFILE.read_text()  # the docker run line in its header
 
