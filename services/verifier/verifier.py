@@ -250,6 +250,7 @@ class Verifier:
                     return
                 except Exception as err:  # noqa: BLE001 - still starting or restarting: ask again
                     log.info("drafter not up yet: %s", err)
+                    time.sleep(1.0)  # an actor whose start fails fails at once: no busy loop
                     continue
                 log.info("drafter actor's address received")
                 self._send([("drafter", address)])
