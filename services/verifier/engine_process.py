@@ -578,8 +578,8 @@ def build_loop(config: ServeConfig, pipe: Pipe, *, record_metrics: bool, intake_
     log.info("target loaded")
     shared = config.drafter_placement == "shared"
     drafter_bytes = count_weights(draft_folder) * dtype.itemsize if shared and device.type == "cuda" else 0
-    engine = assemble_engine(engine_cfg, target, None, tokenizer=tokenizer, eos_token_ids=eos,
-                             remote_drafter=draft_cfg, remote_drafter_kv_here=shared, remote_drafter_bytes=drafter_bytes)
+    engine = assemble_engine(engine_cfg, target, None, tokenizer=tokenizer, eos_token_ids=eos, remote_drafter=draft_cfg,
+                             remote_drafter_kv_here=shared, remote_drafter_bytes=drafter_bytes)
     return EngineLoop(engine, pipe, config, record_metrics=record_metrics, intake_host=intake_host,
                       draft_block_size=draft_cfg.block_size, identity=identity)
 

@@ -284,10 +284,10 @@ class EngineProcess:
         (started through a shell that exits), in a session of its own, so that Ray, which kills a
         worker's children and process group when it ends it (ray.kill, a failed health check),
         leaves it to be adopted; forked by `dflash serve`'s `engine_forkserver` where there is one,
-        which has imported the engine already. Otherwise a thread of this replica starts it and waits for it, for
-        as long as it lives: the process asks to be killed when that thread ends (PR_SET_PDEATHSIG
-        names the thread, not the process), which happens when this replica's process dies, however
-        it dies."""
+        which has imported the engine already. Otherwise a thread of this replica starts it and waits
+        for it, for as long as it lives: the process asks to be killed when that thread ends
+        (PR_SET_PDEATHSIG names the thread, not the process), which happens when this replica's
+        process dies, however it dies."""
         ours, theirs = socket.socketpair()
         # The child finds dflash_serve and its dependencies where this process does (a Ray
         # runtime_env or a test may have put them on sys.path only).
