@@ -61,10 +61,19 @@ def deployed(model_pair, tmp_path_factory):
         details = head.wait_running(APP)
         channel = grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}")
         grpc.channel_ready_future(channel).result(timeout=60)
+        _wait_speculating(generation_pb2_grpc.GenerationStub(channel))
         with httpx.Client(base_url=f"http://127.0.0.1:{ports['http']}", timeout=120) as http:
             yield {"head": head, "values": values, "details": details, "model_pair": model_pair, "ports": ports,
                    "stub": generation_pb2_grpc.GenerationStub(channel), "http": http}
         channel.close()
+
+
+def _wait_speculating(stub, timeout_s: float = 120) -> None:
+    """Until requests are drafted for: a split replica serves target-only until its drafter attaches."""
+    deadline = time.monotonic() + timeout_s
+    while _generate(stub, max_tokens=8)[1].spec_stats.num_drafts == 0:
+        assert time.monotonic() < deadline, f"no drafts within {timeout_s:.0f} s: the drafter did not attach"
+        time.sleep(0.5)
 
 
 def _generate(stub, **sampling):
