@@ -142,12 +142,20 @@ def _start_ray_and_serve(config: ServeConfig, num_gpus: int) -> int:
     return 0
 
 
-DRAFTER_WAIT_S = 300.0  # the drafter actor's start (its weights from the hub included) is not longer
+DRAFTER_WAIT_S = 300.0  # a drafter actor's start, its weights' download from the hub included, takes less
 
 
 def _wait_for_the_drafter(verifier, timeout_s: float = DRAFTER_WAIT_S) -> None:
+    """Until the Verifier replica speculates; the server answers meanwhile, so this only delays
+    the line that says it is up, never longer than `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while not verifier.stats.remote().result()["speculative"]:
+    while True:
+        try:
+            if verifier.stats.remote().result()["speculative"]:
+                return
+        except Exception as err:  # noqa: BLE001 - a replica being replaced: ask again
+            print(f"dflash-serve: the Verifier replica did not answer for its stats ({err}); asking again",
+                  file=sys.stderr, flush=True)
         if time.monotonic() > deadline:
             print(f"dflash-serve: the drafter has not attached in {timeout_s:.0f} s; serving target-only until it does "
                   "(the Verifier replica's log says why)", file=sys.stderr, flush=True)

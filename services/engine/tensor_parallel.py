@@ -31,7 +31,6 @@ each rank loads the whole checkpoint onto its device before it keeps its shard.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import datetime
 import json
 import logging
@@ -54,6 +53,7 @@ from dflash_serve.kernels import SkinnyLinear
 from dflash_serve.services.engine.fused_target import has_moe_blocks
 from dflash_serve.services.engine.kv_cache import AttentionBatch, KVPool
 from dflash_serve.services.models.target import TargetModel
+from dflash_serve.services.process_control import die_with_parent
 
 if TYPE_CHECKING:
     from dflash_serve.services.config import EngineConfig
@@ -414,13 +414,6 @@ def _wait_joined(store: dist.TCPStore, followers: list[_Follower]) -> None:
         time.sleep(0.05)
 
 
-def _die_with_parent() -> None:
-    """SIGKILL when rank 0's process ends, however it ends (Linux): a follower alone has nothing to do."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
 def follower_main(spec: dict) -> None:
     """A follower rank: join the group, load and shard the target, allocate the KV pool rank 0
     sizes, and run rank 0's forwards until it stops."""
@@ -429,7 +422,7 @@ def follower_main(spec: dict) -> None:
     from dflash_serve.services.engine.loader import allocate_target_kv, resolve_dtype
     from dflash_serve.services.engine.target_runner import TargetRunner
 
-    _die_with_parent()
+    die_with_parent()  # a follower alone has nothing to do once rank 0's process ends
     rank, world = spec["rank"], spec["world"]
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tensor-parallel rank {rank}: %(message)s")
     config = EngineConfig.from_dict(spec["config"])

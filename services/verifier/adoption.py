@@ -20,13 +20,11 @@ streams then end as a replica's death ends them (UNAVAILABLE: retry).
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
 import re
 import select
-import signal
 import socket
 import struct
 import sys
@@ -78,13 +76,6 @@ def private_folder(directory: Path) -> None:
     directory.mkdir(mode=0o700, exist_ok=True)
     if not _ours(directory):
         raise PermissionError(f"{directory} or its parent is not this user's alone")
-
-
-def die_with_parent() -> None:
-    """SIGKILL when the process (the thread) that started this one ends, however it ends (Linux)."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def _ours(directory: Path) -> bool:

@@ -20,7 +20,6 @@ checks each caller's credentials (SO_PEERCRED) before reading from it (requests 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import pickle
@@ -32,6 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dflash_serve.services.process_control import die_with_parent, name_this_process
 from dflash_serve.services.verifier import adoption
 
 FORKSERVER_ENV = "DFLASH_ENGINE_FORKSERVER"
@@ -85,7 +85,7 @@ def fork_engine(pipe_fd: int, env: dict[str, str]) -> int | None:
         socket.send_fds(sock, [HEADER.pack(len(request)) + request], [pipe_fd, 1, 2])
         answer = _read_exactly(sock, HEADER.size)
         pid = HEADER.unpack(answer)[0] if answer else 0
-        return pid or None  # 0: it refused (other code)
+        return pid or None  # 0: it refused (other code) or could not fork
     except OSError:  # no server (it ended), or it died meanwhile: start one as before
         return None
     finally:
@@ -121,12 +121,13 @@ def serve_forks(listener: socket.socket) -> None:
             if adoption.peer(conn)[1] != os.getuid():
                 continue
             try:
-                request, fds = _receive_request(conn)
-            except (OSError, ValueError, EOFError, pickle.UnpicklingError):
+                their_fingerprint, env, fds = _receive_request(conn)
+            except Exception:  # noqa: BLE001 - not a request: dropped, the server goes on
                 continue
             try:
-                their_fingerprint, env = request
                 pid = _fork_child(listener, conn, fds, env) if their_fingerprint == fingerprint else 0
+            except OSError:  # fork failed (no memory, too many processes): the replica starts its own
+                pid = 0
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -134,19 +135,23 @@ def serve_forks(listener: socket.socket) -> None:
                 conn.sendall(HEADER.pack(pid))
 
 
-def _receive_request(conn: socket.socket) -> tuple[tuple, list[int]]:
+def _receive_request(conn: socket.socket) -> tuple[str, dict[str, str], list[int]]:
+    """A replica's (code fingerprint, environment) and its three descriptors (`fork_engine`); the
+    descriptors are closed if the rest is not a request."""
     data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
-    if len(fds) != 3 or len(data) < HEADER.size:
+    try:
+        if len(fds) != 3 or len(data) < HEADER.size:
+            raise ValueError("not a request")
+        size = HEADER.unpack(data[:HEADER.size])[0]
+        body = data[HEADER.size:] + _read_exactly(conn, size - (len(data) - HEADER.size))
+        if len(body) != size:
+            raise EOFError("request cut short")
+        fingerprint, env = pickle.loads(body)
+        return fingerprint, dict(env), fds
+    except BaseException:
         for fd in fds:
             os.close(fd)
-        raise ValueError("not a request")
-    size = HEADER.unpack(data[:HEADER.size])[0]
-    body = data[HEADER.size:] + _read_exactly(conn, size - (len(data) - HEADER.size))
-    if len(body) != size:
-        for fd in fds:
-            os.close(fd)
-        raise EOFError("request cut short")
-    return pickle.loads(body), fds
+        raise
 
 
 def _fork_child(listener: socket.socket, conn: socket.socket, fds: list[int], env: dict[str, str]) -> int:
@@ -168,7 +173,7 @@ def _fork_child(listener: socket.socket, conn: socket.socket, fds: list[int], en
             os.close(fd)
         os.environ.clear()
         os.environ.update(env)
-        _name_this_process(b"dflash-engine")  # its command line stays the server's
+        name_this_process(b"dflash-engine")  # its command line stays the server's
         threads = env.get("OMP_NUM_THREADS", "")
         if threads.isdigit():  # Ray's, for the replica; a started process's OpenMP reads it as torch loads
             import torch
@@ -182,17 +187,10 @@ def _fork_child(listener: socket.socket, conn: socket.socket, fds: list[int], en
         os._exit(code)  # never back into the server's loop
 
 
-def _name_this_process(name: bytes) -> None:
-    """The name `ps -o comm`, top and pgrep show (Linux, 15 bytes)."""
-    if sys.platform.startswith("linux"):
-        pr_set_name = 15
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, ctypes.c_char_p(name[:15]))
-
-
 def main(argv: list[str] | None = None) -> int:
     """`python -m dflash_serve.services.verifier.engine_forkserver FD`: FD is the bound, listening socket."""
     argv = sys.argv[1:] if argv is None else argv
-    adoption.die_with_parent()  # `dflash serve`'s; the engine processes forked already live on
+    die_with_parent()  # `dflash serve`'s; the engine processes forked already live on
     listener = socket.socket(fileno=int(argv[0]))
     with contextlib.suppress(KeyboardInterrupt):
         serve_forks(listener)

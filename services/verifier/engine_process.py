@@ -47,6 +47,7 @@ from multiprocessing.connection import Connection
 from dflash_serve.services.config import ServeConfig
 from dflash_serve.services.engine.request import RequestOutput, SpecStats
 from dflash_serve.services.engine.stopping import FinishReason
+from dflash_serve.services.process_control import die_with_parent
 from dflash_serve.services.verifier import adoption
 from dflash_serve.services.verifier.engine_metrics import MetricEvents, RequestTimings
 from dflash_serve.services.verifier.output_stream import (
@@ -628,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         _, config, record_metrics, intake_host = message
         serve_config = ServeConfig.from_dict(config)
         if serve_config.engine_adoption_s <= 0:
-            adoption.die_with_parent()
+            die_with_parent()
         loop = build_loop(serve_config, pipe, record_metrics=record_metrics, intake_host=intake_host,
                           identity=adoption.identity(config, record_metrics, intake_host, fingerprint))
     except ReplicaGone:

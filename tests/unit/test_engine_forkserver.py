@@ -5,6 +5,7 @@ its own where there is no server or it runs other code."""
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,11 @@ def test_a_replicas_engine_process_is_forked_by_the_server_and_serves(tmp_path, 
 def test_a_replica_of_other_code_or_without_a_server_starts_its_own_engine(forkserver, monkeypatch):
     left, right = os.pipe()
     try:
+        for junk in ([b"junk"], [b"\x00\x00\x00\x05junk!"]):  # no descriptors; descriptors and no pickle
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.connect(str(forkserver.path))
+                socket.send_fds(sock, junk, [left, left, left] if len(junk[0]) > 4 else [])
+                assert sock.recv(4) == b""  # dropped: no answer
         monkeypatch.setattr(adoption, "code_fingerprint", lambda: "another version")
         assert engine_forkserver.fork_engine(right, dict(os.environ)) is None  # refused
         monkeypatch.setenv(engine_forkserver.FORKSERVER_ENV, str(forkserver.path.with_name("gone.sock")))
