@@ -102,11 +102,14 @@ class GraphBucket:
 class RoundGraphs:
     def __init__(self, runner: TargetRunner | None, proposer: DraftRunner | None, *, block: int, kv_block_size: int,
                  max_blocks: int, scratch_blocks: list[int], buckets: tuple[int, ...] = DEFAULT_BUCKETS,
-                 external_drafts: bool = False, k_buckets: tuple[int, ...] | None = None):
+                 external_drafts: bool = False, k_buckets: tuple[int, ...] | None = None, capture_now: bool = True):
         """With `proposer` the draft forward is captured too; with `external_drafts` (block > 1, no
         proposer) the verify reads drafts the host loads (`load_drafts`); else the graphs decode AR.
         Without `runner` (a drafter serving another process's verifier) only the draft is captured.
-        `k_buckets`: the numbers of drafts a verify may take (default: all B−1 only; AR: 0)."""
+        `k_buckets`: the numbers of drafts a verify may take (default: all B−1 only; AR: 0).
+        `capture_now` False: a bucket is captured at each `capture_next` (a serving engine's, once
+        it answers); a round meanwhile replays the smallest captured bucket that holds it, or runs
+        eagerly."""
         self.runner = runner
         self.proposer = proposer
         self.external_drafts = external_drafts
@@ -125,12 +128,28 @@ class RoundGraphs:
         self._offsets = torch.arange(block, device=self.device)
         self._query_start = {}
         self._captured: dict[int, GraphBucket] = {}
-        for size in reversed(self.buckets):  # largest first: smaller graphs reuse its memory pool
+        self._to_capture = self.buckets[::-1]  # largest first: smaller graphs reuse its memory pool
+        while capture_now and self.capture_next():
+            pass
+
+    def capture_next(self) -> bool:
+        """Capture the next bucket; whether any is left."""
+        if self._to_capture:
+            size = self._to_capture.pop(0)
             self._captured[size] = self._capture(size)
+        return bool(self._to_capture)
+
+    @property
+    def complete(self) -> bool:
+        return not self._to_capture
 
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
+
+    def holds(self, n: int) -> bool:
+        """Whether a captured bucket holds a round of n sequences."""
+        return any(size >= n for size in self._captured)
 
     def _batch(self, bucket: GraphBucket, width: int) -> AttentionBatch:
         """The attention metadata of `width` new tokens per sequence, computed on the GPU from the
@@ -237,7 +256,8 @@ class RoundGraphs:
         return CapturedProposer(self, bucket, n, k)
 
     def bucket_for(self, n: int) -> GraphBucket:
-        return self._captured[next(b for b in self.buckets if b >= n)]
+        """The smallest captured bucket that holds n sequences (`holds`)."""
+        return self._captured[min(size for size in self._captured if size >= n)]
 
     def load(self, bonus: list[int] | torch.Tensor, starts: list[int] | torch.Tensor,
              tables: list[list[int]]) -> GraphBucket:

@@ -51,7 +51,8 @@ from dflash_serve.services.engine.round import Round, Rounds, StepTimings
 from dflash_serve.services.engine.round_record import RoundRecord
 from dflash_serve.services.engine.round_cost_cache import RoundCostCache
 from dflash_serve.services.engine.round_costs import COST_CONTEXT, load_or_measure
-from dflash_serve.services.engine.sampling import SamplingParams, resolve_seed
+from dflash_serve.services.engine.sampling import resolve_seed
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.engine.scheduler import Scheduler
 from dflash_serve.services.engine.speculation import SpeculationPolicy
 from dflash_serve.services.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
@@ -362,6 +363,20 @@ class Engine(Prefilling, Rounds, TwoGroups):
             self.speculation = SpeculationPolicy(self.config, proposer.block_size)
         if self.speculation.costs is None:
             self.measure_round_costs()
+
+    @property
+    def graphs_pending(self) -> bool:
+        """Whether some CUDA graph the loader deferred is still to capture (`capture_next_graph`)."""
+        return any(graphs is not None and not graphs.complete for graphs in (self.graphs, self.prefill_graphs))
+
+    def capture_next_graph(self) -> None:
+        """Capture one more deferred graph — a round's batch bucket, then a prefill bucket —
+        between steps: the rounds still on the device are read first (`drain`)."""
+        self.drain()
+        if self.graphs is not None and not self.graphs.complete:
+            self.graphs.capture_next()
+        elif self.prefill_graphs is not None:
+            self.prefill_graphs.capture_next()
 
     def measure_round_costs(self, context: int = COST_CONTEXT) -> None:
         """Give the speculation policy the costs of this engine's round shapes, measured now or at

@@ -135,7 +135,7 @@ def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions
     return TargetRunner(target, pool, max_positions=max_positions)
 
 
-def build_engine(config: EngineConfig) -> Engine:
+def build_engine(config: EngineConfig, *, defer_graphs: bool = False) -> Engine:
     log_models(config)
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -147,14 +147,16 @@ def build_engine(config: EngineConfig) -> Engine:
     if drafter is not None:
         drafter.check_target(target)
     tokenizer, eos = load_tokenizer(config)
-    return assemble_engine(config, target, drafter, tokenizer=tokenizer, eos_token_ids=eos)
+    return assemble_engine(config, target, drafter, tokenizer=tokenizer, eos_token_ids=eos, defer_graphs=defer_graphs)
 
 
 def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDraftModel | None, *, tokenizer=None,
                     eos_token_ids: set[int] | frozenset[int] = frozenset(),
                     remote_drafter: DFlashDraftConfig | None = None, remote_drafter_kv_here: bool = True,
-                    remote_drafter_bytes: int = 0) -> Engine:
-    """An engine around models already in memory: KV pools sized to the device, CUDA graphs.
+                    remote_drafter_bytes: int = 0, defer_graphs: bool = False) -> Engine:
+    """An engine around models already in memory: KV pools sized to the device, CUDA graphs —
+    captured now, or with `defer_graphs` one by one later (`Engine.capture_next_graph`: a
+    serving engine answers first and captures them between steps; rounds run eagerly meanwhile).
 
     `remote_drafter`: the config of a drafter that another process will serve (it is attached
     later); the verify graphs take its drafts from the host. Its KV pool, the same number of
@@ -167,7 +169,7 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
     tp = launch(config, target) if config.tensor_parallel_size > 1 else None
     try:
         return _assemble(config, target, drafter, tokenizer, eos_token_ids, remote_drafter, remote_drafter_kv_here,
-                         remote_drafter_bytes, tp)
+                         remote_drafter_bytes, tp, defer_graphs)
     except BaseException:
         if tp is not None:
             tp.close()
@@ -176,7 +178,8 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
 
 def _assemble(config: EngineConfig, target: TargetModel, drafter: DFlashDraftModel | None, tokenizer,
               eos_token_ids: set[int] | frozenset[int], remote_drafter: DFlashDraftConfig | None,
-              remote_drafter_kv_here: bool, remote_drafter_bytes: int, tp: TensorParallel | None) -> Engine:
+              remote_drafter_kv_here: bool, remote_drafter_bytes: int, tp: TensorParallel | None,
+              defer_graphs: bool) -> Engine:
     device, dtype = target.device, target.dtype
     t_layout = TargetRunner.kv_layout(target)
     per_block = KVPool.layout_bytes_per_block(t_layout, config.kv_block_size, dtype)
@@ -237,9 +240,10 @@ def _assemble(config: EngineConfig, target: TargetModel, drafter: DFlashDraftMod
             buckets=tuple(sorted({b for b in DEFAULT_BUCKETS if b < config.max_num_seqs} | {config.max_num_seqs})),
             external_drafts=remote_drafter is not None,
             k_buckets=k_buckets(lookahead, config.num_speculative_tokens_per_batch_size) if draft_cfg else None,
+            capture_now=not defer_graphs,
         )
-        log.info("round graphs captured in %.1f s (batch sizes %s, k %s)", time.perf_counter() - t0,
-                 engine.graphs.buckets, engine.graphs.k_buckets)
+        captured = "deferred" if defer_graphs else f"captured in {time.perf_counter() - t0:.1f} s"
+        log.info("round graphs %s (batch sizes %s, k %s)", captured, engine.graphs.buckets, engine.graphs.k_buckets)
         most = min(config.prefill_graph_tokens, config.max_prefill_tokens)
         token_buckets = tuple(b for b in TOKEN_BUCKETS if b <= most)
         if token_buckets:
@@ -247,9 +251,10 @@ def _assemble(config: EngineConfig, target: TargetModel, drafter: DFlashDraftMod
             engine.prefill_graphs = PrefillGraphs(
                 runner, proposer, kv_block_size=config.kv_block_size, max_blocks=engine.graphs.max_blocks,
                 scratch_slot=(blocks - scratch) * config.kv_block_size, device=device, token_buckets=token_buckets,
-                chunk_buckets=tuple(b for b in CHUNK_BUCKETS if b <= config.max_num_seqs),
+                chunk_buckets=tuple(b for b in CHUNK_BUCKETS if b <= config.max_num_seqs), capture_now=not defer_graphs,
             )
-            log.info("prefill graphs captured in %.1f s (tokens %s)", time.perf_counter() - t0, token_buckets)
+            captured = "deferred" if defer_graphs else f"captured in {time.perf_counter() - t0:.1f} s"
+            log.info("prefill graphs %s (tokens %s)", captured, token_buckets)
     if config.round_costs_dir != "":
         engine.round_cost_cache = RoundCostCache(
             Path(config.round_costs_dir) if config.round_costs_dir else cache_dir() / "round-costs",

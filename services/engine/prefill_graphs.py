@@ -14,7 +14,8 @@ Padding tokens sit at position 0 and write their K/V (and context rows) into a r
 slot; padding chunks have no queries and no keys. A plan with more chunks or tokens than the
 largest bucket prefills eagerly, as does one whose drafter is not the captured one (a new or lost
 drafter). On a CPU (`capture=False`, the tests) the same padded forward runs eagerly over the same
-buffers.
+buffers. A serving engine captures the buckets after it answers (`capture_now=False`,
+`capture_next`): a plan whose bucket is not captured yet prefills eagerly.
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ class PrefillOutputs:
 class PrefillGraphs:
     def __init__(self, runner, proposer: DraftRunner | None, *, kv_block_size: int, max_blocks: int,
                  scratch_slot: int, device: torch.device, token_buckets: tuple[int, ...] = TOKEN_BUCKETS,
-                 chunk_buckets: tuple[int, ...] = CHUNK_BUCKETS, capture: bool = True):
+                 chunk_buckets: tuple[int, ...] = CHUNK_BUCKETS, capture: bool = True, capture_now: bool = True):
         """`proposer`: a drafter in this process whose context injection is captured with the
-        forward (None: the engine injects, or has no drafter)."""
+        forward (None: the engine injects, or has no drafter). `capture_now` False: the graphs are
+        captured one per `capture_next`."""
         self.runner = runner
         self.proposer = proposer
         self.kv_block_size = kv_block_size
@@ -97,8 +99,14 @@ class PrefillGraphs:
             self._host_long, self._host_int, self._staged = self._long, self._int, None
         self._outputs: dict[tuple[int, int], PrefillOutputs] = {}
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # Largest first, so that smaller graphs reuse its memory in the shared pool.
+        self._to_capture = [(tokens, chunks) for tokens in reversed(self.token_buckets)
+                            for chunks in reversed(self.chunk_buckets)] if capture else []
         if capture:
-            self._capture_all()
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(device)
+        while capture_now and self.capture_next():
+            pass
 
     @property
     def max_tokens(self) -> int:
@@ -108,7 +116,13 @@ class PrefillGraphs:
         """Whether a plan of this size, for the engine's current drafter, runs in a graph."""
         if self.proposer is not None and proposer is not self.proposer:
             return False  # the graphs inject into a drafter the engine no longer has
-        return num_chunks <= self.chunk_buckets[-1] and num_tokens <= self.max_tokens
+        if num_chunks > self.chunk_buckets[-1] or num_tokens > self.max_tokens:
+            return False
+        return not self.capture or self._bucket(num_tokens, num_chunks) in self._graphs
+
+    def _bucket(self, num_tokens: int, num_chunks: int) -> tuple[int, int]:
+        return (next(b for b in self.token_buckets if b >= num_tokens),
+                next(b for b in self.chunk_buckets if b >= num_chunks))
 
     def injects_for(self, proposer: Proposer | None) -> bool:
         """Whether `run` already gave this drafter the prefill's context rows."""
@@ -125,27 +139,30 @@ class PrefillGraphs:
             self.proposer.inject_context(features, positions, self.slots[:tokens])
         return PrefillOutputs(logits, features, positions, self.slots[:tokens])
 
-    def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        # Largest first, so that smaller graphs reuse its memory in the shared pool.
-        for tokens in reversed(self.token_buckets):
-            for chunks in reversed(self.chunk_buckets):
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):  # compiles the Triton kernels outside capture
-                    self._forward(tokens, chunks)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with capture_graph(graph, pool):
-                    self._outputs[tokens, chunks] = self._forward(tokens, chunks)
-                self._graphs[tokens, chunks] = graph
+    def capture_next(self) -> bool:
+        """Capture the next bucket; whether any is left."""
+        if self._to_capture:
+            tokens, chunks = self._to_capture.pop(0)
+            stream = self._stream
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # compiles the Triton kernels outside capture
+                self._forward(tokens, chunks)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with capture_graph(graph, self._pool):
+                self._outputs[tokens, chunks] = self._forward(tokens, chunks)
+            self._graphs[tokens, chunks] = graph
+        return bool(self._to_capture)
+
+    @property
+    def complete(self) -> bool:
+        return not self._to_capture
 
     def run(self, chunks: list[PrefillChunkView], sample_chunks: list[int]) -> PrefillOutputs:
         """Prefill `chunks` (at most the largest buckets); logits of the last row of each chunk
         listed in `sample_chunks`; features, positions and slots of the real tokens only."""
         count = sum(len(c.tokens) for c in chunks)
-        tokens = next(b for b in self.token_buckets if b >= count)
-        num = next(b for b in self.chunk_buckets if b >= len(chunks))
+        tokens, num = self._bucket(count, len(chunks))
         self._stage(chunks, sample_chunks, tokens, num)
         if self.capture:
             self._graphs[tokens, num].replay()

@@ -337,7 +337,7 @@ class Rounds:
         else with the attention metadata of eager forwards."""
         block, width, graphs = self.block_size, k + 1, self.graphs
         bucket = batch = draft_batch = None
-        if (graphs is not None and n <= graphs.max_batch and graphs.fits(self.proposer, block)
+        if (graphs is not None and graphs.holds(n) and graphs.fits(self.proposer, block)
                 and k in graphs.k_buckets):
             bucket = graphs.load(bonus_ids, starts, tables)
             bonus, starts_t = bucket.bonus[:n], bucket.starts[:n]

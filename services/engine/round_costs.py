@@ -349,6 +349,8 @@ def load_or_measure(engine: Engine, context: int) -> RoundCosts | None:
         measured["verify"] = {int(k): seconds for k, seconds in measured["verify"].items()}  # JSON keys are text
         log.info("round costs from %s (measured at an earlier start)", cache.path(shapes))
         return RoundCosts(**measured)
+    while engine.graphs_pending:  # timed on the graphs that rounds will replay
+        engine.capture_next_graph()
     measured = _measure(engine, context, policy.ks)
     costs = RoundCosts(**measured)
     if cache is not None:

@@ -67,6 +67,9 @@ IDLE_WAIT_S = 0.05  # how long an idle loop waits for a message before it looks 
 HEALTH_PERIOD_S = 1.0  # an idle GPU is synchronized this often: a sticky CUDA error then fails the loop
 CONNECTING_WAIT_S = 0.001  # the idle wait while a router's stream is being opened
 INTAKE_HELLO_TIMEOUT_S = 5.0  # a connection to the intake must say who it is within this
+# The CUDA graphs are captured after the engine answers, one bucket at a time: back to back while it
+# is idle, and under load one every this often (a round bucket takes ~0.5 s, a prefill one ~0.05).
+GRAPH_CAPTURE_PERIOD_S = 1.0
 
 
 class Pipe:
@@ -196,7 +199,8 @@ class EngineLoop:
     def _loop(self) -> None:
         engine = self.engine
         losses = preemptions = queries = hits = 0
-        next_gauges = next_health = next_metrics = 0.0
+        next_gauges = next_health = next_metrics = next_capture = 0.0
+        capturing_since = time.perf_counter() if engine.graphs_pending else None
         while not self._stopping:
             now = time.monotonic()
             if now >= next_gauges:  # also idle: a gauge set once is not exported
@@ -210,6 +214,14 @@ class EngineLoop:
                         raise NotAdopted("its Ray node ended")
                 next_gauges = now + GAUGE_PERIOD_S
             busy = engine.has_unfinished()
+            if capturing_since is not None and (not busy or now >= next_capture):
+                engine.capture_next_graph()
+                next_capture = time.monotonic() + GRAPH_CAPTURE_PERIOD_S
+                if not engine.graphs_pending:
+                    log.info("CUDA graphs captured in %.1f s after the engine answered",
+                             time.perf_counter() - capturing_since)
+                    capturing_since = None
+                busy = True  # look for messages without waiting: more to capture, or what came meanwhile
             self._read_messages(0 if busy else CONNECTING_WAIT_S if self._connecting else IDLE_WAIT_S)
             self._admit_connected()
             if engine.proposer is None and self.draft_block_size and not self._drafter_asked:
@@ -553,14 +565,15 @@ class EngineLoop:
 
 def build_loop(config: ServeConfig, pipe: Pipe, *, record_metrics: bool, intake_host: str,
                identity: str = "") -> EngineLoop:
-    """The engine of `config`. With topology split it does not wait for the drafter actor, which
+    """The engine of `config`, its CUDA graphs deferred (`EngineLoop` captures them after the
+    engine answers). With topology split it does not wait for the drafter actor, which
     loads meanwhile: its weights' bytes are kept free on a shared GPU, and the replica sends its
     address once it is up (`connect_drafter`); the engine decodes target-only until then."""
     from dflash_serve.services.engine.loader import assemble_engine, build_engine, resolve_dtype
 
     engine_cfg = config.engine
     if config.topology == "colocated":
-        return EngineLoop(build_engine(engine_cfg), pipe, config, record_metrics=record_metrics,
+        return EngineLoop(build_engine(engine_cfg, defer_graphs=True), pipe, config, record_metrics=record_metrics,
                           intake_host=intake_host, identity=identity)
     import torch
 
@@ -580,7 +593,7 @@ def build_loop(config: ServeConfig, pipe: Pipe, *, record_metrics: bool, intake_
     shared = config.drafter_placement == "shared"
     drafter_bytes = count_weights(draft_folder) * dtype.itemsize if shared and device.type == "cuda" else 0
     engine = assemble_engine(engine_cfg, target, None, tokenizer=tokenizer, eos_token_ids=eos, remote_drafter=draft_cfg,
-                             remote_drafter_kv_here=shared, remote_drafter_bytes=drafter_bytes)
+                             remote_drafter_kv_here=shared, remote_drafter_bytes=drafter_bytes, defer_graphs=True)
     return EngineLoop(engine, pipe, config, record_metrics=record_metrics, intake_host=intake_host,
                       draft_block_size=draft_cfg.block_size, identity=identity)
 

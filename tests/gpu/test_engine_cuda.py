@@ -17,7 +17,7 @@ from dflash_serve.services.engine.cuda_graphs import InjectionGraphs
 from dflash_serve.services.engine.draft_runner import DraftRunner
 from dflash_serve.services.engine.kv_cache import AttentionBatch, KVPool
 from dflash_serve.services.engine.loader import assemble_engine
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.engine.target_runner import TargetRunner
 from dflash_serve.services.models import TargetModel
 from tests.conftest import drafter_config, random_drafter
@@ -30,14 +30,14 @@ V, B = 96, 6
 
 
 def _engine(target_model, drafter, *, graphs: bool, max_num_seqs=4, target_impl="auto", async_scheduling=True,
-            speculation="fixed", spec_table=None):
+            speculation="fixed", spec_table=None, defer_graphs=False, round_costs_dir=None):
     """Every draft verified unless a test asks for the adaptive policy or a static table."""
     target = TargetModel(target_model, drafter.config.target_layer_ids if drafter is not None else ())
     config = EngineConfig(target="tiny", device="cuda", kv_block_size=16, num_kv_blocks=128,
                           max_num_seqs=max_num_seqs, cuda_graphs=graphs, target_impl=target_impl,
                           async_scheduling=async_scheduling, speculation=speculation,
-                          num_speculative_tokens_per_batch_size=spec_table or {})
-    return assemble_engine(config, target, drafter)
+                          num_speculative_tokens_per_batch_size=spec_table or {}, round_costs_dir=round_costs_dir)
+    return assemble_engine(config, target, drafter, defer_graphs=defer_graphs)
 
 
 def _tiny_pair():
@@ -505,3 +505,49 @@ def test_accept_graphs_sample_and_accept_as_the_eager_round(async_scheduling):
         else:
             assert not accepted, name
         assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["chained", "synced"])
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_graphs_captured_between_steps_stay_lossless(with_drafter, async_scheduling):
+    """A serving engine's graphs deferred (`defer_graphs`) and captured one bucket after each step
+    while two requests decode: the first round runs eagerly, the next ones in the bucket of 4 (the
+    largest, captured first), then in their own of 2 — the same greedy tokens."""
+    model, drafter = _tiny_pair()
+    engine = _engine(model, drafter if with_drafter else None, graphs=True, async_scheduling=async_scheduling,
+                     defer_graphs=True)
+    graphs, prefill = engine.graphs, engine.prefill_graphs
+    assert engine.graphs_pending and not graphs.holds(1) and not prefill.fits(1, 3, engine.proposer)
+    rounds = []  # each round's bucket size, None: eager
+    round_inputs = engine._round_inputs
+
+    def recording_round_inputs(*args):
+        inputs = round_inputs(*args)
+        rounds.append(None if inputs.bucket is None else inputs.bucket.size)
+        return inputs
+
+    engine._round_inputs = recording_round_inputs
+    prompts = [[1, 2, 3], list(range(5, 40))]
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=60)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+        if rounds and engine.graphs_pending:  # the first round runs before any capture
+            engine.capture_next_graph()
+    assert not engine.graphs_pending and prefill.fits(1, 3, engine.proposer)
+    assert rounds[0] is None and rounds.index(4) < rounds.index(2), rounds
+    with torch.no_grad():
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            assert engine.sequences[request_id].output_ids == hf_greedy(model, prompt, 60)
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_costs_measured_at_the_start_capture_the_deferred_graphs_first(tmp_path):
+    """With no costs kept from an earlier start, the adaptive policy's are timed on the graphs the
+    rounds will replay: the loader captures the deferred ones first."""
+    model, drafter = _tiny_pair()
+    engine = _engine(model, drafter, graphs=True, speculation="adaptive", defer_graphs=True,
+                     round_costs_dir=str(tmp_path))
+    assert not engine.graphs_pending and engine.speculation.costs.batch_sizes == [1, 2, 4]
+    again = _engine(model, drafter, graphs=True, speculation="adaptive", defer_graphs=True,
+                    round_costs_dir=str(tmp_path))
+    assert again.graphs_pending and again.speculation.costs is not None  # kept: nothing captured yet
