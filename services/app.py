@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 
 from dflash_serve.services.config import ServeConfig
 from dflash_serve.services.gc_freeze import freeze_startup_objects
 
+log = logging.getLogger(__name__)
 GRPC_SERVICER_FUNCTIONS = [
     "dflash_serve.services.api.dflash.v1.generation_pb2_grpc.add_GenerationServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
@@ -158,25 +160,23 @@ class RouterDeployment:
 
     def __init__(self, verifier, config: dict):
         import ray
-        from transformers import AutoTokenizer
 
-        from dflash_serve.services.models import load_target_config
+        from dflash_serve.services.models.target_files import context_length, load_tokenizer
         from dflash_serve.services.router.auth import ApiKeys
         from dflash_serve.services.router.openai_api import OpenAIServer
         from dflash_serve.services.router.router import Router
 
         _log_through_serve()
+        log.info("router starting (pid %d)", os.getpid())  # bench.restart's timeline
         self.config = ServeConfig.from_dict(config)
         cfg = self.config
         target, revision = cfg.engine.target, cfg.engine.target_revision
-        max_len = cfg.engine.max_model_len or int(
-            getattr(load_target_config(target, revision), "max_position_embeddings", 0) or 32768
-        )
+        max_len = cfg.engine.max_model_len or context_length(target, revision)
         api_keys = ApiKeys.from_file(cfg.api_keys_file) if cfg.api_keys_file else None
         # The direct intake hides requests from Serve's autoscaler, which counts its calls: only a
         # fixed verifier count takes it.
         direct = cfg.max_replicas <= cfg.num_replicas
-        self.router = Router(verifier, AutoTokenizer.from_pretrained(target, revision=revision), max_model_len=max_len,
+        self.router = Router(verifier, load_tokenizer(target, revision), max_model_len=max_len,
                              max_tokens_limit=cfg.engine.max_tokens_limit,
                              default_max_tokens=cfg.default_max_tokens, max_pending=cfg.max_pending,
                              running_verifiers=_running_verifiers, api_keys=api_keys,
@@ -192,6 +192,7 @@ class RouterDeployment:
             self.ingress = RouterIngress(self.router, self.openai)
             self.ingress.bind(cfg.http_host, cfg.grpc_port, cfg.http_port)
             self.ingress.start()
+        log.info("router ready (tokenizer loaded%s)", ", ports bound" if self.ingress is not None else "")
         freeze_startup_objects()
 
     def check_health(self) -> None:

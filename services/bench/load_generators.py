@@ -70,7 +70,7 @@ class EmbeddedBackend:
 
     def run(self, items: Sequence[Item], sampling: BenchSampling, load: Load,
             progress: Progress = lambda: None) -> list[RequestRecord]:
-        from dflash_serve.services.engine.sampling import SamplingParams
+        from dflash_serve.services.engine.sampling_params import SamplingParams
         from dflash_serve.services.engine.stopping import FinishReason
 
         engine, records = self.engine, []

@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dflash_serve.services.bench.spec_engine import kernel_census
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.loader import assemble_engine
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.models import TargetModel, load_drafter
 from dflash_serve.services.models.default_pair import default_drafter
 

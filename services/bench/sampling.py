@@ -24,7 +24,8 @@ import torch
 from dflash_serve.kernels import row_argmax, sample_race_reference
 from dflash_serve.services.bench.timing import cuda_ms_per_call
 from dflash_serve.services.engine import sampling
-from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, sample_tokens
+from dflash_serve.services.engine.sampling import SamplingBatch, sample_tokens
+from dflash_serve.services.engine.sampling_params import SamplingParams
 
 TOP_P_ROWS = (16, 512)
 

@@ -87,7 +87,7 @@ class TargetOnlyReference:
     def __init__(self, target: str, device: str, prompts: list[str], max_tokens: int, dtype: str = "auto"):
         from dflash_serve.services.config import EngineConfig
         from dflash_serve.services.engine.loader import build_engine
-        from dflash_serve.services.engine.sampling import SamplingParams
+        from dflash_serve.services.engine.sampling_params import SamplingParams
 
         # The reference shares its GPU with the server under test: a small KV pool, freed after use.
         engine = build_engine(EngineConfig(target=target, drafter=None, device=device, dtype=dtype,

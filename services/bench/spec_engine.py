@@ -38,7 +38,7 @@ from dflash_serve.services.config import SPECULATION_MODES, EngineConfig
 from dflash_serve.services.engine.draft_runner import DraftRunner
 from dflash_serve.services.engine.kv_cache import KVPool, window_slots_for
 from dflash_serve.services.engine.loader import assemble_engine
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.engine.synthetic_acceptance import SyntheticAcceptance
 from dflash_serve.services.engine.target_runner import TargetRunner
 from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel

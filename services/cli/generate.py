@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflash_serve.services.engine.loader import build_engine
-    from dflash_serve.services.engine.sampling import SamplingParams
+    from dflash_serve.services.engine.sampling_params import SamplingParams
     from dflash_serve.services.models import CheckpointError, TargetLoadError
     from dflash_serve.services.models.default_pair import DefaultPairError
 

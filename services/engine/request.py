@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from dflash_serve.services.engine.stopping import FinishReason, StopChecker
 
 if TYPE_CHECKING:  # annotations only: the router's and the replica's processes need no torch for these
-    from dflash_serve.services.engine.sampling import SamplingParams
+    from dflash_serve.services.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

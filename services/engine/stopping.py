@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 if TYPE_CHECKING:  # annotations only: the router's and the replica's processes need no torch for these
-    from dflash_serve.services.engine.sampling import SamplingParams
+    from dflash_serve.services.engine.sampling_params import SamplingParams
 
 
 

@@ -40,7 +40,7 @@ from ray.serve.exceptions import ReplicaUnavailableError
 
 from dflash_serve.services.api.dflash.v1 import generation_pb2
 from dflash_serve.services.engine.request import RequestOutput
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.router.auth import UNAUTHENTICATED_MESSAGE, ApiKeys, grpc_authorization
 from dflash_serve.services.router.direct_intake import DirectIntake
@@ -121,9 +121,9 @@ class Router:
         registered_engines: the verifiers' engine processes' intake addresses (None: every request
         is a Serve call); forget_engine: deletes a registration whose engine is gone."""
         if isinstance(tokenizer, str):
-            from transformers import AutoTokenizer
+            from dflash_serve.services.models.target_files import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            tokenizer = load_tokenizer(tokenizer)
         self.verifier = verifier_handle
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len

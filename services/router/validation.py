@@ -11,7 +11,7 @@ import dataclasses
 import struct
 from collections.abc import Sequence
 
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.loader import assemble_engine
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.models import TargetModel
 from dflash_serve.services.training.prompts import Prompt, encode_prompt
 

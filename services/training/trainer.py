@@ -34,7 +34,7 @@ from dflash_serve.kernels import rms_norm_reference
 from dflash_serve.services.bench.prompts import DEFAULT_DATA_DIR
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.loader import assemble_engine, eos_token_ids, resolve_dtype
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.models import (
     DFlashDraftConfig,
     DFlashDraftModel,

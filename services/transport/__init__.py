@@ -4,42 +4,24 @@ Per step, one frame pair travels over a direct socket channel (`channel`); bulky
 rows, the target's embedding and LM head) stay in buffers opened once and are only named in the
 frames (`shared_buffer`: POSIX shared memory on CPU, CUDA IPC on GPU). Ray places the processes
 but carries none of this.
+
+Each name is imported on first use (PEP 562): a router's output streams use `channel` alone,
+without the torch that `shared_buffer` imports.
 """
 
-from dflash_serve.services.transport.channel import (
-    BUSY_POLL_SECONDS,
-    DEFAULT_MAX_FRAME_BYTES,
-    ChannelClosed,
-    FrameChannel,
-    FrameError,
-    FrameListener,
-    FrameTooLarge,
-    connect,
-)
-from dflash_serve.services.transport.shared_buffer import (
-    FeatureRing,
-    OpenedTensor,
-    OpenedWritesDone,
-    SharedTensor,
-    WritesDone,
-    open_shared,
-    read_rows,
-)
+import importlib
 
-__all__ = [
-    "BUSY_POLL_SECONDS",
-    "DEFAULT_MAX_FRAME_BYTES",
-    "ChannelClosed",
-    "FeatureRing",
-    "FrameChannel",
-    "FrameError",
-    "FrameListener",
-    "FrameTooLarge",
-    "OpenedTensor",
-    "OpenedWritesDone",
-    "SharedTensor",
-    "WritesDone",
-    "connect",
-    "open_shared",
-    "read_rows",
-]
+_MODULE_OF = {
+    **dict.fromkeys(("BUSY_POLL_SECONDS", "DEFAULT_MAX_FRAME_BYTES", "ChannelClosed", "FrameChannel", "FrameError",
+                     "FrameListener", "FrameTooLarge", "connect"), "channel"),
+    **dict.fromkeys(("FeatureRing", "OpenedTensor", "OpenedWritesDone", "SharedTensor", "WritesDone", "open_shared",
+                     "read_rows"), "shared_buffer"),
+}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

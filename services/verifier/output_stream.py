@@ -32,7 +32,7 @@ from google.protobuf.message import DecodeError
 
 from dflash_serve.services.api.dflash.v1 import generation_pb2, outputs_pb2
 from dflash_serve.services.engine.request import RequestOutput, SpecStats
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.transport.channel import DEFAULT_MAX_FRAME_BYTES, HEADER, PEER_HUNG_UP, SEND_FLAGS
 

@@ -20,7 +20,7 @@ import torch
 from dflash_serve.services.engine import prefill as prefill_module
 from dflash_serve.services.engine import round as round_module
 from dflash_serve.services.engine.round_costs import COST_CONTEXT, RoundCosts
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from tests.conftest import drafter_config, random_drafter
 from tests.engine.harness import (
     OracleProposer,

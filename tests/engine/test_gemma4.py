@@ -13,7 +13,7 @@ import torch
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.kv_cache import LayerKV
 from dflash_serve.services.engine.loader import build_engine as build_engine_from_disk
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.models import save_drafter
 from tests.conftest import gemma4_drafter
 from tests.engine import harness

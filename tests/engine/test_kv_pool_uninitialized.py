@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_serve.services.engine.kv_cache import KVPool
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from tests.conftest import drafter_config, gemma4_drafter, random_drafter
 from tests.engine.harness import build_engine, hf_greedy
 from tests.targets import gemma4_31b_twin, tiny_target

@@ -13,7 +13,7 @@ import collections
 import pytest
 import torch
 
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
 from tests.conftest import drafter_config, random_drafter
 from tests.engine import harness

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from tests.conftest import drafter_config, gemma4_drafter, random_drafter
 from tests.engine.harness import build_engine, hf_greedy
 from tests.targets import gemma4_26b_a4b_twin, qwen3_moe_twin

@@ -10,7 +10,7 @@ import torch
 
 from dflash_serve.services.engine.engine import Engine
 from dflash_serve.services.engine.prefill_graphs import ALIGN_BYTES, PrefillChunkView, PrefillGraphs
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from tests.conftest import drafter_config, random_drafter
 from tests.engine.harness import (
     OracleProposer,

@@ -13,7 +13,7 @@ import torch
 from dflash_serve.services.engine.draft_runner import DraftRunner
 from dflash_serve.services.engine.round import MAX_DEFERRED_STEPS
 from dflash_serve.services.engine.kv_cache import BlockAllocator, hash_block_tokens
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
 from tests.conftest import drafter_config, random_drafter
 from tests.engine.harness import (

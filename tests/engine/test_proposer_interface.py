@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_serve.services.engine.draft_runner import Proposer, ProposerLost
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from tests.engine import harness
 from tests.engine.harness import build_engine, hf_greedy
 from tests.targets import tiny_target

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from tests.conftest import drafter_config, random_drafter
 from tests.engine.harness import OracleProposer, build_engine, hf_greedy
 from tests.targets import tiny_target

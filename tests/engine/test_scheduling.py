@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash_serve.services.engine.kv_cache import AttentionBatch, BlockAllocator, OutOfKVBlocks
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
 from tests.engine.harness import OracleProposer, build_engine, hf_greedy
 from tests.targets import tiny_target

@@ -13,7 +13,7 @@ import torch
 
 from dflash_serve.services.drafter.server import DrafterServer
 from dflash_serve.services.engine.draft_runner import Proposer
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.verifier.remote_drafter import RemoteProposer
 from tests.conftest import drafter_config, gemma4_drafter, random_drafter
 from tests.engine import harness

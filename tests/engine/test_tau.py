@@ -15,7 +15,7 @@ import collections
 import pytest
 import torch
 
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
 from tests.engine.harness import OracleProposer, build_engine, hf_greedy
 from tests.targets import tiny_target

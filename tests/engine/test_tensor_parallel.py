@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.kv_cache import AttentionBatch
 from dflash_serve.services.engine.loader import build_engine
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.engine.tensor_parallel import rank_device
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.models import save_drafter

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.engine.round_costs import RoundCosts
 from tests.engine import harness
 from tests.engine.harness import build_engine, hf_greedy

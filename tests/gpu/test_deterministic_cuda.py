@@ -25,7 +25,7 @@ from dflash_serve.kernels.invariant_linear import InvariantSettings
 from dflash_serve.services.bench.spec_engine import QWEN3_8B, build_models
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.loader import assemble_engine, build_engine
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.models import TargetModel
 from dflash_serve.services.models.default_pair import DEFAULT_DRAFTER_DIR, SOURCE_FILE, target_dir
 from dflash_serve.kernels.rope_kv_write import rope_kv_write_triton

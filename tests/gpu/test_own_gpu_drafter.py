@@ -15,7 +15,7 @@ import torch
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.drafter.actor import cuda_visibility
 from dflash_serve.services.engine.loader import assemble_engine
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.models import TargetModel
 from tests.conftest import drafter_config, random_drafter
 from tests.targets import tiny_target

@@ -16,7 +16,7 @@ import torch
 
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.loader import build_engine
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.verifier.output_stream import OutputListener, StreamLost
 from dflash_serve.services.verifier.verifier import Verifier
 from tests.engine.test_tensor_parallel import _engine_config, _save_pair, _tokens, assert_two_ranks_compute_what_one_does

@@ -17,7 +17,7 @@ import pytest
 from dflash_serve.services.api.dflash.v1 import generation_pb2, generation_pb2_grpc
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.loader import build_engine
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from tests.helm.chart import render
 from tests.integration.conftest import DEVICE, free_port
 from tests.integration.ray_head import RayHead, ray_head

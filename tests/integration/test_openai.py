@@ -203,7 +203,7 @@ def test_a_gemma4_31b_twin_with_its_drafter_answers_a_chat_request(ray_serve, tm
 
     from dflash_serve.services.config import EngineConfig
     from dflash_serve.services.engine.loader import build_engine
-    from dflash_serve.services.engine.sampling import SamplingParams
+    from dflash_serve.services.engine.sampling_params import SamplingParams
 
     target, drafter = save_gemma4_pair(tmp_path_factory.mktemp("gemma4"), block_size=4)
     messages = [{"role": "user", "content": "def main():"}]

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dflash_serve.services.api.dflash.v1 import generation_pb2
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.loader import build_engine
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from tests.integration.conftest import DEVICE, deployed_app, free_port
 
 

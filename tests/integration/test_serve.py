@@ -19,7 +19,7 @@ import pytest
 from dflash_serve.services.api.dflash.v1 import generation_pb2
 from dflash_serve.services.config import EngineConfig
 from dflash_serve.services.engine.loader import build_engine
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from tests.integration.conftest import DEVICE, deployed_app
 
 pytestmark = pytest.mark.integration

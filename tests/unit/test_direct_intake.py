@@ -14,7 +14,7 @@ import pytest
 
 from dflash_serve.services.api.dflash.v1 import generation_pb2
 from dflash_serve.services.engine.loader import build_engine
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.router.direct_intake import DirectIntake
 from dflash_serve.services.router.router import RequestFailed, Router
 from dflash_serve.services.verifier.output_stream import OutputListener, StreamAddress, StreamLost

@@ -15,7 +15,7 @@ import pytest
 
 from dflash_serve.services.config import ServeConfig
 from dflash_serve.services.engine.loader import build_engine
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.verifier import adoption
 from dflash_serve.services.verifier.output_stream import OutputListener, StreamLost

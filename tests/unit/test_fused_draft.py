@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dflash_serve.services.engine.kv_cache import AttentionBatch
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.models.draft import DraftContext
 from tests.conftest import drafter_config, random_drafter
 from tests.engine.harness import build_engine

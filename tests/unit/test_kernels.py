@@ -1018,7 +1018,8 @@ def test_sample_tokens_triton_path_matches_the_torch_path(monkeypatch):
     against the same call with the race's reference."""
     from dflash_serve.kernels.sampling import sample_race_reference
     from dflash_serve.services.engine import sampling
-    from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, sample_tokens
+    from dflash_serve.services.engine.sampling import SamplingBatch, sample_tokens
+    from dflash_serve.services.engine.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(3)
     logits = (torch.randn(5, 3, 3001, generator=g) * 2).to(DEVICE)

@@ -14,7 +14,7 @@ import pytest
 from dflash_serve.services.api.dflash.v1 import outputs_pb2
 from dflash_serve.services.engine.loader import build_engine
 from dflash_serve.services.engine.request import RequestOutput, SpecStats
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.transport.channel import HEADER
 from dflash_serve.services.verifier import output_stream

@@ -17,6 +17,7 @@ import transformers
 
 import dflash_serve.services.engine.loader as loader
 import dflash_serve.services.models.target as target_module
+import dflash_serve.services.models.target_files as target_files
 from dflash_serve.services.api.dflash.v1 import generation_pb2
 from dflash_serve.services.config import EngineConfig, ServeConfig
 from dflash_serve.services.models import CheckpointError, TargetLoadError
@@ -52,11 +53,40 @@ class FakeHub:
         self.calls.append(("snapshot", name, revision))
         return self.folders[name]
 
+    def patch_tokenizer_classes(self, monkeypatch) -> None:
+        """Every tokenizer class's from_pretrained (a class AutoTokenizer chose before, loaded
+        directly: `target_files.load_tokenizer`), as `patch` does."""
+        real = transformers.PreTrainedTokenizerBase.from_pretrained.__func__
+
+        def from_pretrained(cls, name, *args, revision=None, **kwargs):
+            if name not in self.folders:
+                return real(cls, name, *args, revision=revision, **kwargs)
+            self.calls.append(("tokenizer", name, revision))
+            return real(cls, self.folders[name], *args, **kwargs)
+
+        monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "from_pretrained", classmethod(from_pretrained))
+
+    def patch_files(self, monkeypatch, module) -> None:
+        """module.cached_file (a single file of a repo: the router's reads) records the call and
+        reads the folder."""
+        real = module.cached_file
+
+        def cached_file(name, filename, *, revision=None, **kwargs):
+            if name in self.folders:
+                self.calls.append(("file", name, revision))
+                name = self.folders[name]
+            return real(name, filename, **kwargs)
+
+        monkeypatch.setattr(module, "cached_file", cached_file)
+
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch) -> FakeHub:
     target, drafter = save_tiny_pair(tmp_path, block_size=4)
     fake = FakeHub({TARGET: target, DRAFTER: drafter})
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))  # no tokenizer class kept by another test
+    fake.patch_files(monkeypatch, target_files)
+    fake.patch_tokenizer_classes(monkeypatch)
     for kind, cls in (("model", transformers.AutoModelForCausalLM), ("config", transformers.AutoConfig),
                       ("tokenizer", transformers.AutoTokenizer), ("generation_config", transformers.GenerationConfig)):
         fake.patch(monkeypatch, kind, cls)
@@ -147,7 +177,10 @@ def test_the_router_deployment_reads_tokenizer_and_config_at_the_target_revision
     from dflash_serve.services.app import RouterDeployment
 
     RouterDeployment(None, ServeConfig(engine=EngineConfig(**ENGINE), ingress="serve").to_dict())
-    assert sorted(set(hub.calls)) == [("config", TARGET, "t-commit"), ("tokenizer", TARGET, "t-commit")]
+    assert sorted(set(hub.calls)) == [("file", TARGET, "t-commit"), ("tokenizer", TARGET, "t-commit")]
+    hub.calls.clear()
+    RouterDeployment(None, ServeConfig(engine=EngineConfig(**ENGINE), ingress="serve").to_dict())
+    assert sorted(set(hub.calls)) == [("file", TARGET, "t-commit"), ("tokenizer", TARGET, "t-commit")]
     assert gc.get_freeze_count() > 0
 
 

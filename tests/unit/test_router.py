@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerFast
 from dflash_serve.services import client
 from dflash_serve.services.api.dflash.v1 import generation_pb2, generation_pb2_grpc
 from dflash_serve.services.engine.request import RequestOutput, SpecStats
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason
 from dflash_serve.services.router import router as router_module
 from dflash_serve.services.router.router import Router, RpcFailed

@@ -12,7 +12,8 @@ import torch
 from dflash_serve.kernels import sampling as race
 from dflash_serve.kernels.sampling import mix32_
 from dflash_serve.services.engine import sampling
-from dflash_serve.services.engine.sampling import SamplingBatch, SamplingParams, resolve_seed, sample_tokens
+from dflash_serve.services.engine.sampling import SamplingBatch, resolve_seed, sample_tokens
+from dflash_serve.services.engine.sampling_params import SamplingParams
 
 # Chi-square tests pass when the p-value is above this. The noise is a fixed hash, so each test
 # either always passes or always fails: no flakiness.

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, decoders
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
 from tests.tokenizer import train_tiny_tokenizer
 

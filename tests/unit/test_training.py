@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from dflash_serve.kernels import rms_norm_reference
 from dflash_serve.services.cli import main
-from dflash_serve.services.engine.sampling import SamplingParams
+from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.models import CheckpointError, DFlashDraftConfig, DFlashDraftModel, DraftContext, TargetModel, load_drafter
 from dflash_serve.services.training import TrainConfig, train
 from dflash_serve.services.training.blocks import block_attention_mask, block_labels, block_loss, draft_blocks
