@@ -34,7 +34,7 @@ VERIFIER_TITLE = "ray::ServeReplica:dflash:Verifier"
 PROBE = generation_pb2.GenerateRequest(prompt="def add(a, b):",
                                        sampling=generation_pb2.SamplingParams(max_tokens=4, temperature=0.0))
 # A replica's log line as Ray prints it on the driver: (ServeReplica:dflash:Verifier pid=N) INFO 2026-12-02 01:14:46,623 ...
-LOG_LINE = re.compile(r"\(ServeReplica:dflash:Verifier pid=(\d+)\)\S* \w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \S+ -- (.*)")
+LOG_LINE = re.compile(r"\(ServeReplica:dflash:(\w+) pid=(\d+)\)\S* \w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \S+ -- (.*)")
 MILESTONES = {"replica starting": "replica started", "engine process up": "engine process up",
               "models:": "models named (engine imported)", "target loaded": "target loaded (split)",
               "drafter actor's address received": "drafter actor up (split)",
@@ -42,7 +42,9 @@ MILESTONES = {"replica starting": "replica started", "engine process up": "engin
               "round graphs captured": "round graphs captured",
               "prefill graphs captured": "prefill graphs captured", "round costs measured": "round costs measured",
               "round costs from": "round costs loaded", "engine ready": "engine ready",
-              "adopted the engine process": "engine adopted"}
+              "adopted the engine process": "engine adopted",
+              "CUDA graphs captured": "CUDA graphs captured (after the engine answered)"}
+ROUTER_MILESTONES = {"router starting": "router replica started", "router ready": "router ready"}
 BACK = ("engine ready", "engine adopted")  # a new replica serves from either
 # `dflash serve`'s own milestones, in seconds from its process's start: "dflash-serve: Ray is up (2.9 s after start)".
 CLI_LINE = re.compile(r"^dflash-serve(?::| is) ([^\n]*?)\s*\((\d+\.\d+) s after start\)", re.MULTILINE)
@@ -60,6 +62,13 @@ def verifier_pids() -> list[int]:
         except OSError:  # it exited meanwhile
             continue
     return pids
+
+
+# gRPC backs off exponentially (1 s, 1.6 s, … up to 2 min) while nothing listens on the port: a
+# channel opened before the router had bound it reconnected 9–23 s after it had (on the H200), and
+# those seconds were counted as the server's. The probe reconnects every 0.1 s instead.
+PROBE_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                         ("grpc.max_reconnect_backoff_ms", 100)]
 
 
 def wait_answered(stub, timeout_s: float, probe_s: float) -> float:
@@ -86,14 +95,19 @@ def wait_new_replica(log_path: Path, old_pid: int, since: float, timeout_s: floa
 
 
 def timeline(log_text: str, pid: int, since: float) -> dict[str, float]:
-    """Seconds from `since` to each milestone the replica `pid` logged."""
+    """Seconds from `since` to each milestone the Verifier replica `pid` logged, and a router
+    replica's since then."""
     found = {}
     for match in LOG_LINE.finditer(log_text):
-        if int(match.group(1)) != pid:
+        deployment, at = match.group(1), datetime.strptime(match.group(3), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if deployment == "Verifier" and int(match.group(2)) == pid:
+            milestones = MILESTONES
+        elif deployment == "Router" and at >= since:
+            milestones = ROUTER_MILESTONES
+        else:
             continue
-        at = datetime.strptime(match.group(2), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-        for prefix, name in MILESTONES.items():
-            if match.group(3).startswith(prefix) and name not in found:
+        for prefix, name in milestones.items():
+            if match.group(4).startswith(prefix) and name not in found:
                 found[name] = round(at - since, 2)
     return found
 
@@ -124,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(["--grpc-port", str(args.grpc_port), *args.serve_flags], log_path)
     report: dict = {"serve_flags": args.serve_flags, "kills": []}
     try:
-        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{args.grpc_port}"))
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{args.grpc_port}",
+                                                                        options=PROBE_CHANNEL_OPTIONS))
         report["first_answer_s"] = round(wait_answered(stub, args.timeout_s, args.probe_s) - started, 2)
         (pid,) = verifier_pids()
         log_text = log_path.read_text()

@@ -1,4 +1,4 @@
-"""The restart benchmark's timeline: milestones read from a Verifier replica's log lines as Ray prints them."""
+"""The restart benchmark's timeline: milestones read from the Verifier's and Router's log lines as Ray prints them."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ LINES = """\
 (ServeReplica:dflash:Verifier pid=41) INFO 2026-12-02 18:00:07,500 dflash_Verifier abc -- KV cache: 100 blocks of 16 tokens (0.10 GiB)
 (ServeReplica:dflash:Verifier pid=41) INFO 2026-12-02 18:00:08,000 dflash_Verifier abc -- round costs from /c (batch sizes [1])
 (ServeReplica:dflash:Verifier pid=41) INFO 2026-12-02 18:00:09,000 dflash_Verifier abc -- engine ready
+(ServeReplica:dflash:Router pid=42) INFO 2026-12-02 17:59:59,000 dflash_Router def -- router ready (an earlier start's)
+(ServeReplica:dflash:Router pid=43) INFO 2026-12-02 18:00:01,500 dflash_Router def -- router starting (pid 43)
+(ServeReplica:dflash:Router pid=43) INFO 2026-12-02 18:00:09,500 dflash_Router def -- router ready (tokenizer loaded, ports bound)
+(ServeReplica:dflash:Verifier pid=41) INFO 2026-12-02 18:00:12,000 dflash_Verifier abc -- CUDA graphs captured in 3.0 s after the engine answered
 """
 
 
@@ -24,8 +28,10 @@ def test_each_milestone_of_the_replica_is_timed_from_the_start_once():
     assert timeline(LINES, 41, since) == {
         "replica started": 1.0, "engine process up": 2.5, "models named (engine imported)": 5.0,
         "target loaded (split)": 6.0, "drafter actor up (split)": 7.25, "KV cache sized": 7.5,
-        "round costs loaded": 8.0, "engine ready": 9.0}
-    assert timeline(LINES, 99, since) == {"models named (engine imported)": 5.1}
+        "round costs loaded": 8.0, "engine ready": 9.0, "router replica started": 1.5, "router ready": 9.5,
+        "CUDA graphs captured (after the engine answered)": 12.0}
+    assert timeline(LINES, 99, since) == {"models named (engine imported)": 5.1, "router replica started": 1.5,
+                                          "router ready": 9.5}
 
 
 def test_a_replica_that_adopted_its_predecessors_engine_is_back_when_it_says_so():
