@@ -1,0 +1,61 @@
+"""The engine process's loop captures the graphs the loader deferred after it answers: back to back
+while idle, one at a time between steps under load, so a request never waits for all of them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from dflash_serve.services.config import ServeConfig
+from dflash_serve.services.engine.engine import Engine
+from dflash_serve.services.engine.loader import build_engine
+from dflash_serve.services.engine.sampling_params import SamplingParams
+from dflash_serve.services.verifier.output_stream import OutputListener
+from tests.served_pair import save_tiny_pair
+from tests.unit.test_verifier_health import engine_loop_in_a_thread
+
+PIECES = 12  # graphs to capture
+PIECE_S = 0.1  # each capture's time
+
+
+def test_a_request_is_answered_between_captures_and_the_rest_are_captured_when_idle(tmp_path, monkeypatch):
+    target, drafter = save_tiny_pair(tmp_path, block_size=6)
+    config = ServeConfig.from_dict({"engine": {"target": target, "drafter": drafter, "max_num_seqs": 2},
+                                    "topology": "colocated", "engine_adoption_s": 0})
+    engine = build_engine(config.engine)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    expected = engine.generate([[1, 2, 3]], params)[0].output_ids
+    left = [PIECES]
+    monkeypatch.setattr(Engine, "graphs_pending", property(lambda self: left[0] > 0))
+
+    def capture_next_graph():
+        time.sleep(PIECE_S)
+        left[0] -= 1
+
+    engine.capture_next_graph = capture_next_graph
+    replica, _, thread = engine_loop_in_a_thread(engine, config)
+
+    async def one_request():
+        listener = OutputListener()
+        queue = listener.open("r")
+        replica.send([("add", "r", [1, 2, 3], params, await listener.reply_to())])
+        tokens = []
+        while True:
+            out = await asyncio.wait_for(queue.get(), 30)
+            tokens += out.new_token_ids
+            if out.finished:
+                break
+        captured_by_then = PIECES - left[0]
+        await listener.aclose()
+        return tokens, captured_by_then
+
+    tokens, captured_by_then = asyncio.run(one_request())
+    assert tokens == expected
+    assert captured_by_then < PIECES  # answered long before every graph was captured
+    deadline = time.monotonic() + 30
+    while left[0] and time.monotonic() < deadline:  # idle: the rest back to back
+        time.sleep(0.05)
+    assert left[0] == 0
+    replica.close()  # the loop ends: its replica is gone (engine_adoption_s 0)
+    thread.join(timeout=30)
+    assert not thread.is_alive()
