@@ -49,8 +49,8 @@ BACK = ("engine ready", "engine adopted")  # a new replica serves from either
 # `dflash serve`'s own milestones, in seconds from its process's start: "dflash-serve: Ray is up (2.9 s after start)".
 CLI_LINE = re.compile(r"^dflash-serve(?::| is) ([^\n]*?)\s*\((\d+\.\d+) s after start\)", re.MULTILINE)
 CLI_MILESTONES = {"Ray is up": "Ray up", "Serve is up": "Serve up",
-                  "answering": "dflash serve answering (its deployments ready; split: target-only)",
-                  "up": "dflash serve up (with its drafter)"}
+                  "answering": "dflash serve answering (its deployments ready)",
+                  "up": "dflash serve up (warm: graphs captured, the drafter attached)"}
 
 
 def verifier_pids() -> list[int]:

@@ -123,9 +123,10 @@ def _start_ray_and_serve(config: ServeConfig, num_gpus: int) -> int:
     _milestone("Serve is up; starting the verifier replica (its engine loads the models) and the router")
     # No HTTP route with the routers serving the ports themselves (Serve would announce its proxy's address).
     serve.run(build_app(config), name="dflash", route_prefix="/" if config.ingress == "serve" else None)
-    if config.topology == "split" and config.engine.drafter:  # target-only until the drafter actor attaches
-        _milestone("answering (target-only until the drafter attaches)")
-        _wait_for_the_drafter(serve.get_deployment_handle("Verifier", app_name="dflash"))
+    # It answers now; at full speed once its CUDA graphs are captured and (split) its drafter attached.
+    _milestone("answering (at full speed once warm: CUDA graphs captured, the drafter attached)")
+    _wait_until_warm(serve.get_deployment_handle("Verifier", app_name="dflash"),
+                     drafter=config.topology == "split" and bool(config.engine.drafter))
     print(f"dflash-serve is up ({time.time() - process_started():.1f} s after start): the OpenAI API on "
           f"http://{config.http_host}:{config.http_port}/v1 (model {config.model_name!r}), gRPC on port "
           f"{config.grpc_port} of every interface (dflash.v1.Generation), "
@@ -142,23 +143,25 @@ def _start_ray_and_serve(config: ServeConfig, num_gpus: int) -> int:
     return 0
 
 
-DRAFTER_WAIT_S = 300.0  # a drafter actor's start, its weights' download from the hub included, takes less
+WARM_WAIT_S = 300.0  # a drafter actor's start, its weights' download from the hub included, takes less
 
 
-def _wait_for_the_drafter(verifier, timeout_s: float = DRAFTER_WAIT_S) -> None:
-    """Until the Verifier replica speculates; the server answers meanwhile, so this only delays
-    the line that says it is up, never longer than `timeout_s`."""
+def _wait_until_warm(verifier, *, drafter: bool, timeout_s: float = WARM_WAIT_S) -> None:
+    """Until the Verifier replica has captured its CUDA graphs and, with `drafter`, speculates;
+    the server answers meanwhile, so this only delays the line that says it is up, never longer
+    than `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if verifier.stats.remote().result()["speculative"]:
+            stats = verifier.stats.remote().result()
+            if not stats["graphs_pending"] and (stats["speculative"] or not drafter):
                 return
         except Exception as err:  # noqa: BLE001 - a replica being replaced: ask again
             print(f"dflash-serve: the Verifier replica did not answer for its stats ({err}); asking again",
                   file=sys.stderr, flush=True)
         if time.monotonic() > deadline:
-            print(f"dflash-serve: the drafter has not attached in {timeout_s:.0f} s; serving target-only until it does "
-                  "(the Verifier replica's log says why)", file=sys.stderr, flush=True)
+            print(f"dflash-serve: not warm after {timeout_s:.0f} s (CUDA graphs captured, the drafter attached); "
+                  "serving meanwhile (the Verifier replica's log says why)", file=sys.stderr, flush=True)
             return
         time.sleep(0.2)
 

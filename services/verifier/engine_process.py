@@ -505,6 +505,7 @@ class EngineLoop:
             "kv_free_blocks": engine.allocator.num_free,
             "kv_blocks": engine.allocator.num_blocks,
             "speculative": engine.proposer is not None,
+            "graphs_pending": engine.graphs_pending,  # CUDA graphs still to capture (a replica just started)
             "drafter_losses": engine.proposer_losses,
             "router_streams": len(self._channels),  # routers' output streams known (a closed one until the next opens)
             "router_intakes": len(self._intakes),  # routers' direct intakes open

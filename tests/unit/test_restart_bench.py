@@ -53,11 +53,12 @@ def test_dflash_serves_own_milestones_are_read_from_its_lines(capsys, monkeypatc
     serve._milestone("Serve is up; starting the verifier replica (its engine loads the models) and the router")
     printed = capsys.readouterr().out
     assert printed.endswith("and the router (4.1 s after start)\n")
-    answering = "dflash-serve: answering (target-only until the drafter attaches) (15.0 s after start)\n"
+    answering = ("dflash-serve: answering (at full speed once warm: CUDA graphs captured, the drafter attached) "
+                 "(15.0 s after start)\n")
     up = "dflash-serve is up (21.3 s after start): the OpenAI API on http://0.0.0.0:8000/v1 (model 'm'), gRPC ...\n"
     assert cli_timeline(printed + "(Verifier pid=1) INFO -- models: t (3.0 s after start)\n" + answering + up) == {
-        "Ray up": 2.9, "Serve up": 4.1, "dflash serve answering (its deployments ready; split: target-only)": 15.0,
-        "dflash serve up (with its drafter)": 21.3}
+        "Ray up": 2.9, "Serve up": 4.1, "dflash serve answering (its deployments ready)": 15.0,
+        "dflash serve up (warm: graphs captured, the drafter attached)": 21.3}
 
 
 def test_this_process_started_before_its_modules_were_imported():
