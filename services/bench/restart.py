@@ -71,16 +71,27 @@ PROBE_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_
                          ("grpc.max_reconnect_backoff_ms", 100)]
 
 
-def wait_answered(stub, timeout_s: float, probe_s: float) -> float:
-    """time.time() when a probe was first answered."""
+def wait_answered(stub, timeout_s: float, probe_s: float, process=None) -> float:
+    """time.time() when a probe was first answered; `process`: the server's, which must not exit meanwhile."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"dflash serve exited ({process.returncode}) before it answered")
         try:
             stub.Complete(PROBE, timeout=30)
             return time.time()
-        except grpc.RpcError:  # not deployed yet (NOT_FOUND), no verifier running (UNAVAILABLE)
+        except grpc.RpcError:  # not listening yet, not deployed yet (NOT_FOUND), no verifier running (UNAVAILABLE)
             time.sleep(probe_s)
     raise TimeoutError(f"no answer within {timeout_s:.0f} s")
+
+
+def wait_until_up(log_path: Path, timeout_s: float) -> None:
+    """Until `dflash serve` says it is up (warm): its timeline is whole, and a kill then finds one replica."""
+    deadline = time.monotonic() + timeout_s
+    while "dflash-serve is up" not in log_path.read_text():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"dflash serve not up within {timeout_s:.0f} s")
+        time.sleep(0.2)
 
 
 def wait_new_replica(log_path: Path, old_pid: int, since: float, timeout_s: float) -> tuple[int, dict[str, float]]:
@@ -135,12 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "serve.log"
     started = time.time()
-    server = Server(["--grpc-port", str(args.grpc_port), *args.serve_flags], log_path)
+    # Probed from its start: it answers before it says it is up (`answering`, then `is up` once warm).
+    server = Server(["--grpc-port", str(args.grpc_port), *args.serve_flags], log_path, wait_until_up=False)
     report: dict = {"serve_flags": args.serve_flags, "kills": []}
     try:
         stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{args.grpc_port}",
                                                                         options=PROBE_CHANNEL_OPTIONS))
-        report["first_answer_s"] = round(wait_answered(stub, args.timeout_s, args.probe_s) - started, 2)
+        report["first_answer_s"] = round(wait_answered(stub, args.timeout_s, args.probe_s, server.process) - started, 2)
+        wait_until_up(log_path, args.timeout_s)
         (pid,) = verifier_pids()
         log_text = log_path.read_text()
         report["first_start"] = dict(sorted({**cli_timeline(log_text), **timeline(log_text, pid, started)}.items(),

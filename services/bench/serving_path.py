@@ -202,16 +202,16 @@ def profile_prompts(report: dict, concurrency: int, seconds: float) -> int:
 
 
 class Server:
-    """`dflash serve` in a process of its own, up once it says so; stopped with SIGINT."""
+    """`dflash serve` in a process of its own, up once it says so (`wait_until_up`); stopped with SIGINT."""
 
-    def __init__(self, flags: list[str], log_path: Path):
+    def __init__(self, flags: list[str], log_path: Path, *, wait_until_up: bool = True):
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - open as long as the server
         # RAY_ADDRESS=local: a Ray of its own, never one this machine already runs (a test session's).
         self.process = subprocess.Popen(cli("serve", *flags), stdout=self._log, stderr=subprocess.STDOUT,
                                         start_new_session=True, env={**os.environ, "RAY_ADDRESS": "local"})
         deadline = time.monotonic() + SERVE_START_TIMEOUT_S
-        while "dflash-serve is up" not in log_path.read_text():
+        while wait_until_up and "dflash-serve is up" not in log_path.read_text():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"dflash serve did not come up; the end of its log ({log_path}):\n"
