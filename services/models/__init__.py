@@ -4,7 +4,7 @@ Each name is imported on first use (PEP 562): the package's light modules (`defa
 `draft_config`) then load without torch and transformers, which `dflash serve`'s own process, whose
 engine runs in others, would otherwise import for 3-4 s before it starts Ray."""
 
-import importlib
+from dflash_serve.services.lazy_names import names_on_first_use
 
 _MODULE_OF = {
     "CheckpointError": "checkpoint", "load_drafter": "checkpoint", "save_drafter": "checkpoint",
@@ -13,10 +13,4 @@ _MODULE_OF = {
     "TargetLoadError": "target", "TargetModel": "target", "load_target_config": "target",
 }
 __all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str):
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+__getattr__ = names_on_first_use(__name__, _MODULE_OF)

@@ -9,7 +9,7 @@ Each name is imported on first use (PEP 562): a router's output streams use `cha
 without the torch that `shared_buffer` imports.
 """
 
-import importlib
+from dflash_serve.services.lazy_names import names_on_first_use
 
 _MODULE_OF = {
     **dict.fromkeys(("BUSY_POLL_SECONDS", "DEFAULT_MAX_FRAME_BYTES", "ChannelClosed", "FrameChannel", "FrameError",
@@ -18,10 +18,4 @@ _MODULE_OF = {
                      "read_rows"), "shared_buffer"),
 }
 __all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str):
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+__getattr__ = names_on_first_use(__name__, _MODULE_OF)
