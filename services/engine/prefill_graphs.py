@@ -140,9 +140,14 @@ class PrefillGraphs:
         return PrefillOutputs(logits, features, positions, self.slots[:tokens])
 
     def capture_next(self) -> bool:
-        """Capture the next bucket; whether any is left."""
+        """Capture the next bucket; whether any is left. The warm-up forward runs over the static
+        buffers, which after a served prefill name real sequences' KV slots (maybe given to another
+        sequence since): they are reset to padding first, so that it writes the scratch slot alone."""
         if self._to_capture:
             tokens, chunks = self._to_capture.pop(0)
+            self._long.zero_()
+            self._int.zero_()
+            self.slots.fill_(self.scratch_slot)
             stream = self._stream
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):  # compiles the Triton kernels outside capture

@@ -17,6 +17,7 @@ from dflash_serve.services.engine.cuda_graphs import InjectionGraphs
 from dflash_serve.services.engine.draft_runner import DraftRunner
 from dflash_serve.services.engine.kv_cache import AttentionBatch, KVPool
 from dflash_serve.services.engine.loader import assemble_engine
+from dflash_serve.services.engine.prefill_graphs import PrefillChunkView
 from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.engine.target_runner import TargetRunner
 from dflash_serve.services.models import TargetModel
@@ -539,6 +540,29 @@ def test_graphs_captured_between_steps_stay_lossless(with_drafter, async_schedul
         for request_id, prompt in zip(ids, prompts, strict=True):
             assert engine.sequences[request_id].output_ids == hf_greedy(model, prompt, 60)
     assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_a_prefill_graph_captured_late_writes_no_running_sequences_kv():
+    """A prefill bucket captured while a request runs: its warm-up forward runs over the static
+    buffers, which a served prefill leaves naming real KV slots (maybe another sequence's by
+    then). Here they name the running sequence's first block, with other tokens: the capture
+    must leave that block alone — the same greedy tokens."""
+    model, drafter = _tiny_pair()
+    engine = _engine(model, drafter, graphs=True, defer_graphs=True)
+    while not engine.graphs.complete:
+        engine.capture_next_graph()
+    prompt = list(range(5, 40))
+    request = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=40))
+    engine.step()  # its prefill, eager: no prefill bucket is captured yet
+    prefill, seq = engine.prefill_graphs, engine.sequences[request]
+    tokens, chunks = prefill._to_capture[0]
+    prefill._stage([PrefillChunkView([7] * 16, 0, seq.block_table)], [0], tokens, chunks)
+    engine.capture_next_graph()
+    assert prefill.fits(chunks, tokens, engine.proposer)
+    while engine.has_unfinished():
+        engine.step()
+    with torch.no_grad():
+        assert engine.sequences[request].output_ids == hf_greedy(model, prompt, 40)
 
 
 def test_costs_measured_at_the_start_capture_the_deferred_graphs_first(tmp_path):
