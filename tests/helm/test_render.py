@@ -234,6 +234,9 @@ def test_model_storage_from_the_hub_cache_with_a_token_secret():
     assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     assert mount["readOnly"] is False and variables["HF_HOME"] == mount["mountPath"]
     assert variables["HF_HUB_OFFLINE"] == "1"
+    # A new pod finds what an earlier one compiled and measured: Triton's kernels, round costs, tokenizer classes.
+    assert variables["TRITON_CACHE_DIR"] == f"{mount['mountPath']}/.cache/triton"
+    assert variables["DFLASH_CACHE"] == f"{mount['mountPath']}/.cache/dflash-serve"
     # The token is a file, never an environment variable.
     assert "HF_TOKEN" not in variables
     spec = rendered.worker_group["template"]["spec"]
@@ -248,6 +251,7 @@ def test_model_storage_from_an_existing_claim():
     volume, mount, variables = models_volume(rendered)
     assert volume["persistentVolumeClaim"]["claimName"] == "llm-weights"
     assert mount["readOnly"] is True and "HF_HOME" not in variables
+    assert "TRITON_CACHE_DIR" not in variables and "DFLASH_CACHE" not in variables  # read-only: HOME's caches
     assert not rendered.all("PersistentVolumeClaim")
 
 
