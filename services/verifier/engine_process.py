@@ -112,6 +112,7 @@ class EngineLoop:
         self._shared = []  # shared buffers the drafter maps; alive as long as this process
         self._remote_proposer = None
         self._drafter_asked = False  # ("drafter_wanted",) sent, no address back yet
+        self._drafter_waiting = None  # an address that came while graphs were still to capture
         self._replies: list = []  # messages for the replica, sent once a step
         self._channels: dict[StreamAddress, RouterChannel] = {}  # by router, reused
         # Routers' streams being opened, with the adds waiting for them.
@@ -160,7 +161,13 @@ class EngineLoop:
 
     def _attach_drafter(self, address) -> None:
         """The drafter actor's address, which the replica asked it for once it was up (at the start,
-        after the drafter's death, after an adoption)."""
+        after the drafter's death, after an adoption). While CUDA graphs are still to capture it waits
+        for them (`_loop`): a first attach may measure the round costs, which captures all the rest
+        first and times them, holding the loop — on a machine's first start ~20 s of Triton compiles,
+        which requests meanwhile waited for — where the loop captures them between steps instead."""
+        if self.engine.graphs_pending:
+            self._drafter_waiting = address
+            return
         try:
             self.connect_drafter(address)
             log.info("drafter attached; speculative decoding on")
@@ -221,6 +228,9 @@ class EngineLoop:
                     log.info("CUDA graphs captured in %.1f s after the engine answered",
                              time.perf_counter() - capturing_since)
                     capturing_since = None
+                    if self._drafter_waiting is not None:
+                        address, self._drafter_waiting = self._drafter_waiting, None
+                        self._attach_drafter(address)
                 busy = True  # look for messages without waiting: more to capture, or what came meanwhile
             self._read_messages(0 if busy else CONNECTING_WAIT_S if self._connecting else IDLE_WAIT_S)
             self._admit_connected()

@@ -10,6 +10,7 @@ from dflash_serve.services.config import ServeConfig
 from dflash_serve.services.engine.engine import Engine
 from dflash_serve.services.engine.loader import build_engine
 from dflash_serve.services.engine.sampling_params import SamplingParams
+from dflash_serve.services.verifier.engine_process import EngineLoop
 from dflash_serve.services.verifier.output_stream import OutputListener
 from tests.served_pair import save_tiny_pair
 from tests.unit.test_verifier_health import engine_loop_in_a_thread
@@ -57,5 +58,33 @@ def test_a_request_is_answered_between_captures_and_the_rest_are_captured_when_i
         time.sleep(0.05)
     assert left[0] == 0
     replica.close()  # the loop ends: its replica is gone (engine_adoption_s 0)
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+def test_a_drafter_that_comes_while_graphs_are_captured_attaches_once_they_are(tmp_path, monkeypatch):
+    """Its first attach may measure the round costs on all the graphs, holding the loop while it
+    captures the rest: the loop captures them first, between steps, and attaches after."""
+    target, drafter = save_tiny_pair(tmp_path, block_size=6)
+    config = ServeConfig.from_dict({"engine": {"target": target, "drafter": drafter, "max_num_seqs": 2},
+                                    "topology": "colocated", "engine_adoption_s": 0})
+    engine = build_engine(config.engine)
+    left = [PIECES]
+    monkeypatch.setattr(Engine, "graphs_pending", property(lambda self: left[0] > 0))
+
+    def capture_next_graph():
+        time.sleep(PIECE_S)
+        left[0] -= 1
+
+    engine.capture_next_graph = capture_next_graph
+    attached = []  # graphs left to capture at each attach
+    monkeypatch.setattr(EngineLoop, "connect_drafter", lambda self, address: attached.append((address, left[0])))
+    replica, _, thread = engine_loop_in_a_thread(engine, config)
+    replica.send([("drafter", "the actor's address")])
+    deadline = time.monotonic() + 30
+    while not attached and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert attached == [("the actor's address", 0)]
+    replica.close()
     thread.join(timeout=30)
     assert not thread.is_alive()
