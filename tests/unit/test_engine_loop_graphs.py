@@ -19,13 +19,13 @@ PIECES = 12  # graphs to capture
 PIECE_S = 0.1  # each capture's time
 
 
-def test_a_request_is_answered_between_captures_and_the_rest_are_captured_when_idle(tmp_path, monkeypatch):
+def _engine_with_slow_captures(tmp_path, monkeypatch):
+    """A CPU engine (colocated, no adoption) standing in for one with PIECES graphs to capture,
+    each taking PIECE_S; `left` counts those not yet captured."""
     target, drafter = save_tiny_pair(tmp_path, block_size=6)
     config = ServeConfig.from_dict({"engine": {"target": target, "drafter": drafter, "max_num_seqs": 2},
                                     "topology": "colocated", "engine_adoption_s": 0})
     engine = build_engine(config.engine)
-    params = SamplingParams(temperature=0.0, max_tokens=8)
-    expected = engine.generate([[1, 2, 3]], params)[0].output_ids
     left = [PIECES]
     monkeypatch.setattr(Engine, "graphs_pending", property(lambda self: left[0] > 0))
 
@@ -34,6 +34,13 @@ def test_a_request_is_answered_between_captures_and_the_rest_are_captured_when_i
         left[0] -= 1
 
     engine.capture_next_graph = capture_next_graph
+    return config, engine, left
+
+
+def test_a_request_is_answered_between_captures_and_the_rest_are_captured_when_idle(tmp_path, monkeypatch):
+    config, engine, left = _engine_with_slow_captures(tmp_path, monkeypatch)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    expected = engine.generate([[1, 2, 3]], params)[0].output_ids
     replica, _, thread = engine_loop_in_a_thread(engine, config)
 
     async def one_request():
@@ -65,18 +72,7 @@ def test_a_request_is_answered_between_captures_and_the_rest_are_captured_when_i
 def test_a_drafter_that_comes_while_graphs_are_captured_attaches_once_they_are(tmp_path, monkeypatch):
     """Its first attach may measure the round costs on all the graphs, holding the loop while it
     captures the rest: the loop captures them first, between steps, and attaches after."""
-    target, drafter = save_tiny_pair(tmp_path, block_size=6)
-    config = ServeConfig.from_dict({"engine": {"target": target, "drafter": drafter, "max_num_seqs": 2},
-                                    "topology": "colocated", "engine_adoption_s": 0})
-    engine = build_engine(config.engine)
-    left = [PIECES]
-    monkeypatch.setattr(Engine, "graphs_pending", property(lambda self: left[0] > 0))
-
-    def capture_next_graph():
-        time.sleep(PIECE_S)
-        left[0] -= 1
-
-    engine.capture_next_graph = capture_next_graph
+    config, engine, left = _engine_with_slow_captures(tmp_path, monkeypatch)
     attached = []  # graphs left to capture at each attach
     monkeypatch.setattr(EngineLoop, "connect_drafter", lambda self, address: attached.append((address, left[0])))
     replica, _, thread = engine_loop_in_a_thread(engine, config)
