@@ -148,8 +148,8 @@ class RoundGraphs:
         return self.buckets[-1]
 
     def holds(self, n: int) -> bool:
-        """Whether a captured bucket holds a round of n sequences."""
-        return any(size >= n for size in self._captured)
+        """Whether a captured bucket holds a round of n sequences (the largest is captured first)."""
+        return n <= self.buckets[-1] and bool(self._captured)
 
     def _batch(self, bucket: GraphBucket, width: int) -> AttentionBatch:
         """The attention metadata of `width` new tokens per sequence, computed on the GPU from the
@@ -257,7 +257,7 @@ class RoundGraphs:
 
     def bucket_for(self, n: int) -> GraphBucket:
         """The smallest captured bucket that holds n sequences (`holds`)."""
-        return self._captured[min(size for size in self._captured if size >= n)]
+        return self._captured[next(size for size in self.buckets if size >= n and size in self._captured)]
 
     def load(self, bonus: list[int] | torch.Tensor, starts: list[int] | torch.Tensor,
              tables: list[list[int]]) -> GraphBucket:

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 from dflash_serve.kernels import warm_accept_round, warm_sample_race
 from dflash_serve.services.config import EngineConfig
@@ -23,6 +23,7 @@ from dflash_serve.services.engine.target_runner import TargetRunner, unservable_
 from dflash_serve.services.engine.tensor_parallel import PoolGeometry, TensorParallel, launch
 from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel, load_drafter
 from dflash_serve.services.models.default_pair import cache_dir
+from dflash_serve.services.models.target_files import load_tokenizer as load_target_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def eos_token_ids(name_or_path: str, tokenizer, revision: str | None = None) -> 
 def load_tokenizer(config: EngineConfig):
     """(the target's tokenizer or None, its EOS token ids), at config.target_revision."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(config.target, revision=config.target_revision)
+        tokenizer = load_target_tokenizer(config.target, config.target_revision)  # the class the routers load
     except (OSError, ValueError):
         log.warning("no tokenizer found with %s: token ids in and out only, no stop strings", config.target)
         tokenizer = None

@@ -118,7 +118,7 @@ class PrefillGraphs:
             return False  # the graphs inject into a drafter the engine no longer has
         if num_chunks > self.chunk_buckets[-1] or num_tokens > self.max_tokens:
             return False
-        return not self.capture or self._bucket(num_tokens, num_chunks) in self._graphs
+        return not self._to_capture or self._bucket(num_tokens, num_chunks) in self._graphs
 
     def _bucket(self, num_tokens: int, num_chunks: int) -> tuple[int, int]:
         return (next(b for b in self.token_buckets if b >= num_tokens),

@@ -1,4 +1,5 @@
-"""The target's tokenizer and context length, read without importing torch.
+"""The target's tokenizer (the engine's and the routers' one way to load it) and context length,
+read without importing torch.
 
 A router only tokenizes, but `AutoTokenizer` reads the model's config to choose the tokenizer's
 class, and transformers' config module imports torch: on the H200 that and the config made a

@@ -99,9 +99,9 @@ def test_the_engine_loads_every_file_at_its_revision_and_logs_them(hub, caplog):
         engine = loader.build_engine(EngineConfig(**ENGINE))
     assert engine.tokenizer is not None and engine.eos_token_ids
     # The target's config is read first (a multimodal checkpoint loads its text model alone).
-    assert sorted(set(hub.calls)) == [("config", TARGET, "t-commit"), ("generation_config", TARGET, "t-commit"),
-                                      ("model", TARGET, "t-commit"), ("snapshot", DRAFTER, "v2"),
-                                      ("tokenizer", TARGET, "t-commit")]
+    assert sorted(set(hub.calls)) == [("config", TARGET, "t-commit"), ("file", TARGET, "t-commit"),
+                                      ("generation_config", TARGET, "t-commit"), ("model", TARGET, "t-commit"),
+                                      ("snapshot", DRAFTER, "v2"), ("tokenizer", TARGET, "t-commit")]
     assert "models: target org/target at revision t-commit; drafter org/drafter at revision v2" in caplog.text
 
 
