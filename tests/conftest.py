@@ -21,18 +21,16 @@ import torch  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel
-from dflash_serve.services.models.default_pair import cache_dir
+from dflash_serve.services.models.default_pair import TARGET_NAME, cache_dir
 
 
 def _this_runs_model_cache() -> None:
-    """This run's model cache ($DFLASH_CACHE, which Ray's workers and the CLI inherit): links to
-    what the user's holds (the converted default target), and room for what engines write there,
-    the round costs they measure, which no other run may read."""
+    """This run's model cache ($DFLASH_CACHE, which Ray's workers and the CLI inherit): a link to
+    the converted default target in the user's, and room for what engines and routers write there
+    (round costs, tokenizer classes), which no other run may read and the user's must not collect."""
     users, run = cache_dir(), Path(tempfile.mkdtemp(prefix="dflash-test-cache-"))
-    if users.is_dir():
-        for entry in users.iterdir():
-            if entry.name != "round-costs":
-                (run / entry.name).symlink_to(entry.resolve())
+    if (users / TARGET_NAME).is_dir():
+        (run / TARGET_NAME).symlink_to((users / TARGET_NAME).resolve())
     os.environ["DFLASH_CACHE"] = str(run)
 
 

@@ -84,6 +84,7 @@ def fetch_default_target(folder: Path) -> Path:
     """Downloads and converts SmolLM2 into `folder` unless it is already there."""
     if (folder / SOURCE_FILE).is_file():
         _say(f"default target already in {folder}")
+        _keep_tokenizer_class(folder)
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="dflash-fetch-", dir=folder.parent) as tmp:
@@ -102,8 +103,19 @@ def fetch_default_target(folder: Path) -> Path:
         if not (folder / SOURCE_FILE).is_file():  # else another process finished first: keep its folder
             shutil.rmtree(folder, ignore_errors=True)  # without SOURCE_FILE it is not one written here
             staged.rename(folder)  # same file system: the folder appears complete or not at all
+    _keep_tokenizer_class(folder)
     _say(f"default target ready in {folder} ({_size_mb(folder):.0f} MB)")
     return folder
+
+
+def _keep_tokenizer_class(folder: Path) -> None:
+    """Load the tokenizer once the way engines and routers do, so the class AutoTokenizer chooses
+    is kept in the cache now (`target_files.load_tokenizer`): a router's first start then imports
+    that class alone, not AutoTokenizer, whose config reading imports torch (~8 s on a fresh H200
+    machine, where the router was the last part of `dflash serve`'s first start)."""
+    from dflash_serve.services.models.target_files import load_tokenizer
+
+    load_tokenizer(str(folder))
 
 
 def _from_pypi(work: Path, out: Path) -> dict:

