@@ -38,7 +38,7 @@ LOG_LINE = re.compile(r"\(ServeReplica:dflash:(\w+) pid=(\d+)\)\S* \w+ (\d{4}-\d
 MILESTONES = {"replica starting": "replica started", "engine process up": "engine process up",
               "models:": "models named (engine imported)", "target loaded": "target loaded (split)",
               "drafter actor's address received": "drafter actor up (split)",
-              "drafter attached": "drafter attached (split)", "KV cache:": "KV cache sized",
+              "drafter attached": "drafter attached", "KV cache:": "KV cache sized",
               "round graphs captured": "round graphs captured",
               "prefill graphs captured": "prefill graphs captured", "round costs measured": "round costs measured",
               "round costs from": "round costs loaded", "engine ready": "engine ready",

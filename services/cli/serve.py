@@ -123,10 +123,10 @@ def _start_ray_and_serve(config: ServeConfig, num_gpus: int) -> int:
     _milestone("Serve is up; starting the verifier replica (its engine loads the models) and the router")
     # No HTTP route with the routers serving the ports themselves (Serve would announce its proxy's address).
     serve.run(build_app(config), name="dflash", route_prefix="/" if config.ingress == "serve" else None)
-    # It answers now; at full speed once its CUDA graphs are captured and (split) its drafter attached.
+    # It answers now; at full speed once its CUDA graphs are captured and its drafter attached (its round costs known).
     _milestone("answering (at full speed once warm: CUDA graphs captured, the drafter attached)")
     _wait_until_warm(serve.get_deployment_handle("Verifier", app_name="dflash"),
-                     drafter=config.topology == "split" and bool(config.engine.drafter))
+                     drafter=bool(config.engine.drafter))
     print(f"dflash-serve is up ({time.time() - process_started():.1f} s after start): the OpenAI API on "
           f"http://{config.http_host}:{config.http_port}/v1 (model {config.model_name!r}), gRPC on port "
           f"{config.grpc_port} of every interface (dflash.v1.Generation), "

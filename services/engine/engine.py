@@ -50,7 +50,7 @@ from dflash_serve.services.engine.request import RequestOutput, Sequence, Sequen
 from dflash_serve.services.engine.round import Round, Rounds, StepTimings
 from dflash_serve.services.engine.round_record import RoundRecord
 from dflash_serve.services.engine.round_cost_cache import RoundCostCache
-from dflash_serve.services.engine.round_costs import COST_CONTEXT, load_or_measure
+from dflash_serve.services.engine.round_costs import CostMeasurement, load_or_measure, needs_costs
 from dflash_serve.services.engine.sampling import resolve_seed
 from dflash_serve.services.engine.sampling_params import SamplingParams
 from dflash_serve.services.engine.scheduler import Scheduler
@@ -121,6 +121,7 @@ class Engine(Prefilling, Rounds, TwoGroups):
         # How many drafts each round verifies; its costs come from `measure_round_costs`.
         self.speculation = SpeculationPolicy(config, self.block_size)
         self.round_cost_cache: RoundCostCache | None = None  # set by the loader where costs are kept
+        self._measurement: CostMeasurement | None = None  # a drafter's costs, timed between steps
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -348,26 +349,58 @@ class Engine(Prefilling, Rounds, TwoGroups):
         self.proposer_losses += 1
 
     def attach_proposer(self, proposer: Proposer) -> None:
-        """Speculate again with a (new) drafter. Its context is empty, so every running sequence
-        is preempted and prefilled again — which rebuilds the drafter's context from the committed
-        tokens alone; their outputs so far are kept and the results stay lossless."""
-        self.drain()
-        self.scheduler.preempt_all()
-        # Cached blocks hold no context rows of this drafter: nothing of them may be reused.
-        self.allocator.reset_prefix_cache()
-        if self.proposer is not None and self.proposer is not proposer:
-            self.proposer.release()
-        self.proposer = proposer
-        self.block_size = self.scheduler.lookahead = proposer.block_size
-        if self.speculation.block_size != proposer.block_size:  # a drafter back after a loss keeps what was learnt
-            self.speculation = SpeculationPolicy(self.config, proposer.block_size)
-        if self.speculation.costs is None:
-            self.measure_round_costs()
+        """Speculate again with a (new) drafter, its round costs measured first where they are
+        neither known nor kept from an earlier start (`round_costs.load_or_measure`)."""
+        self._cancel_measurement(keeping=proposer)
+        policy = self._policy_for(proposer)
+        if policy.costs is None:
+            policy.costs = load_or_measure(self, proposer, policy)
+        self._attach(proposer, policy)
+
+    def attach_when_measured(self, proposer: Proposer) -> None:
+        """`attach_proposer` for an engine that serves meanwhile: where the drafter's round costs
+        are needed and not known, it goes on serving as it does (target-only at a start) and
+        times them between steps (`warm_up_next`), attaching the drafter once they are."""
+        self._cancel_measurement(keeping=proposer)
+        policy = self._policy_for(proposer)
+        if policy.costs is None and needs_costs(proposer, policy):
+            measurement = CostMeasurement(self, proposer, policy)  # loads them where they are kept
+            if measurement.costs is None:
+                self._measurement = measurement
+                return
+            policy.costs = measurement.costs
+        self._attach(proposer, policy)
+
+    @property
+    def measuring_costs(self) -> bool:
+        """Whether a drafter waits for its round costs, measured between steps (`warm_up_next`)."""
+        return self._measurement is not None
 
     @property
     def graphs_pending(self) -> bool:
         """Whether some CUDA graph the loader deferred is still to capture (`capture_next_graph`)."""
         return any(graphs is not None and not graphs.complete for graphs in (self.graphs, self.prefill_graphs))
+
+    @property
+    def warming_up(self) -> bool:
+        """Whether start-up work is left for between steps (`warm_up_next`)."""
+        return self.graphs_pending or self.measuring_costs
+
+    def warm_up_next(self) -> None:
+        """One piece of the start-up work left, between steps: a deferred CUDA graph's capture,
+        else one timed round of the costs a drafter waits for (timed on the graphs, so after
+        them), and once they are all measured the drafter's attach."""
+        if self.graphs_pending:
+            self.capture_next_graph()
+            return
+        measurement = self._measurement
+        if measurement is None:
+            return
+        self.drain()
+        if measurement.measure_next():
+            self._measurement = None
+            measurement.policy.costs = measurement.costs
+            self._attach(measurement.proposer, measurement.policy)
 
     def capture_next_graph(self) -> None:
         """Capture one more deferred graph — a round's batch bucket, then a prefill bucket —
@@ -378,12 +411,43 @@ class Engine(Prefilling, Rounds, TwoGroups):
         elif self.prefill_graphs is not None:
             self.prefill_graphs.capture_next()
 
-    def measure_round_costs(self, context: int = COST_CONTEXT) -> None:
-        """Give the speculation policy the costs of this engine's round shapes, measured now or at
-        an earlier start (`round_costs.load_or_measure`), where it or the two-group gate needs them."""
-        costs = load_or_measure(self, context)
+    def measure_round_costs(self) -> None:
+        """Give the speculation policy the costs of this engine's round shapes with its drafter,
+        measured now or at an earlier start (`round_costs.load_or_measure`), where it or the
+        two-group gate needs them."""
+        costs = load_or_measure(self, self.proposer, self.speculation)
         if costs is not None:
             self.speculation.costs = costs
+
+    def _policy_for(self, proposer: Proposer) -> SpeculationPolicy:
+        """The speculation policy for rounds with `proposer`: the engine's own where the block
+        fits (a drafter back after a loss keeps what was learnt), else a new one."""
+        if self.speculation.block_size == proposer.block_size:
+            return self.speculation
+        return SpeculationPolicy(self.config, proposer.block_size)
+
+    def _attach(self, proposer: Proposer, policy: SpeculationPolicy) -> None:
+        """Speculate with `proposer` from the next step. Its context is empty, so every running
+        sequence is preempted and prefilled again — which rebuilds the drafter's context from the
+        committed tokens alone; their outputs so far are kept and the results stay lossless."""
+        self.drain()
+        self.scheduler.preempt_all()
+        # Cached blocks hold no context rows of this drafter: nothing of them may be reused.
+        self.allocator.reset_prefix_cache()
+        if self.proposer is not None and self.proposer is not proposer:
+            self.proposer.release()
+        self.proposer, self.speculation = proposer, policy
+        self.block_size = self.scheduler.lookahead = proposer.block_size
+        log.info("drafter attached; speculative decoding on")
+
+    def _cancel_measurement(self, *, keeping: Proposer) -> None:
+        """A drafter that waited for its round costs stops waiting (a drafter is attached now):
+        its measurement stops and, unless it is the one `keeping`, it is released."""
+        measurement, self._measurement = self._measurement, None
+        if measurement is not None:
+            measurement.cancel()
+            if measurement.proposer is not keeping:
+                measurement.proposer.release()
 
     def _commit(self, seq: Sequence, tokens: list[int]) -> int:
         """Append a round's tokens up to the first stop; stream them; finish the request if it

@@ -18,7 +18,7 @@ from dflash_serve.services.engine.fused_target import FusedTargetRunner, fused_u
 from dflash_serve.services.engine.kv_cache import BlockAllocator, KVPool, LayerKV, window_slots_for
 from dflash_serve.services.engine.prefill_graphs import CHUNK_BUCKETS, TOKEN_BUCKETS, PrefillGraphs
 from dflash_serve.services.engine.round_cost_cache import NOT_IN_KEY, RoundCostCache, machine, model_shape
-from dflash_serve.services.engine.speculation import k_buckets
+from dflash_serve.services.engine.speculation import SpeculationPolicy, k_buckets
 from dflash_serve.services.engine.target_runner import TargetRunner, unservable_reason
 from dflash_serve.services.engine.tensor_parallel import PoolGeometry, TensorParallel, launch
 from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel, load_drafter
@@ -136,7 +136,7 @@ def target_runner(impl: str, target: TargetModel, pool: KVPool, *, max_positions
     return TargetRunner(target, pool, max_positions=max_positions)
 
 
-def build_engine(config: EngineConfig, *, defer_graphs: bool = False) -> Engine:
+def build_engine(config: EngineConfig, *, defer_warm_up: bool = False) -> Engine:
     log_models(config)
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -148,16 +148,17 @@ def build_engine(config: EngineConfig, *, defer_graphs: bool = False) -> Engine:
     if drafter is not None:
         drafter.check_target(target)
     tokenizer, eos = load_tokenizer(config)
-    return assemble_engine(config, target, drafter, tokenizer=tokenizer, eos_token_ids=eos, defer_graphs=defer_graphs)
+    return assemble_engine(config, target, drafter, tokenizer=tokenizer, eos_token_ids=eos, defer_warm_up=defer_warm_up)
 
 
 def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDraftModel | None, *, tokenizer=None,
                     eos_token_ids: set[int] | frozenset[int] = frozenset(),
                     remote_drafter: DFlashDraftConfig | None = None, remote_drafter_kv_here: bool = True,
-                    remote_drafter_bytes: int = 0, defer_graphs: bool = False) -> Engine:
-    """An engine around models already in memory: KV pools sized to the device, CUDA graphs —
-    captured now, or with `defer_graphs` one by one later (`Engine.capture_next_graph`: a
-    serving engine answers first and captures them between steps; rounds run eagerly meanwhile).
+                    remote_drafter_bytes: int = 0, defer_warm_up: bool = False) -> Engine:
+    """An engine around models already in memory: KV pools sized to the device, CUDA graphs
+    captured and the drafter's round costs measured now — or with `defer_warm_up` later, between
+    steps (`Engine.warm_up_next`): a serving engine answers first, its rounds eager until their
+    graphs are captured and target-only until the drafter's costs are known.
 
     `remote_drafter`: the config of a drafter that another process will serve (it is attached
     later); the verify graphs take its drafts from the host. Its KV pool, the same number of
@@ -170,7 +171,7 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
     tp = launch(config, target) if config.tensor_parallel_size > 1 else None
     try:
         return _assemble(config, target, drafter, tokenizer, eos_token_ids, remote_drafter, remote_drafter_kv_here,
-                         remote_drafter_bytes, tp, defer_graphs)
+                         remote_drafter_bytes, tp, defer_warm_up)
     except BaseException:
         if tp is not None:
             tp.close()
@@ -180,7 +181,7 @@ def assemble_engine(config: EngineConfig, target: TargetModel, drafter: DFlashDr
 def _assemble(config: EngineConfig, target: TargetModel, drafter: DFlashDraftModel | None, tokenizer,
               eos_token_ids: set[int] | frozenset[int], remote_drafter: DFlashDraftConfig | None,
               remote_drafter_kv_here: bool, remote_drafter_bytes: int, tp: TensorParallel | None,
-              defer_graphs: bool) -> Engine:
+              defer_warm_up: bool) -> Engine:
     device, dtype = target.device, target.dtype
     t_layout = TargetRunner.kv_layout(target)
     per_block = KVPool.layout_bytes_per_block(t_layout, config.kv_block_size, dtype)
@@ -229,9 +230,9 @@ def _assemble(config: EngineConfig, target: TargetModel, drafter: DFlashDraftMod
     if drafter is not None:
         draft_pool = KVPool.allocate(d_layers, blocks, config.kv_block_size, d_heads, d_dim, dtype, device)
         proposer = DraftRunner(drafter, target, draft_pool, max_positions=max_positions)
-    engine = Engine(
-        runner, proposer, allocator, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids, max_model_len=max_len
-    )
+    # Deferred, a drafter here is attached once its round costs are known (`attach_when_measured`).
+    engine = Engine(runner, None if defer_warm_up else proposer, allocator, config, tokenizer=tokenizer,
+                    eos_token_ids=eos_token_ids, max_model_len=max_len)
     if use_graphs:
         t0 = time.perf_counter()
         engine.graphs = RoundGraphs(
@@ -241,9 +242,9 @@ def _assemble(config: EngineConfig, target: TargetModel, drafter: DFlashDraftMod
             buckets=tuple(sorted({b for b in DEFAULT_BUCKETS if b < config.max_num_seqs} | {config.max_num_seqs})),
             external_drafts=remote_drafter is not None,
             k_buckets=k_buckets(lookahead, config.num_speculative_tokens_per_batch_size) if draft_cfg else None,
-            capture_now=not defer_graphs,
+            capture_now=not defer_warm_up,
         )
-        captured = "deferred" if defer_graphs else f"captured in {time.perf_counter() - t0:.1f} s"
+        captured = "deferred" if defer_warm_up else f"captured in {time.perf_counter() - t0:.1f} s"
         log.info("round graphs %s (batch sizes %s, k %s)", captured, engine.graphs.buckets, engine.graphs.k_buckets)
         most = min(config.prefill_graph_tokens, config.max_prefill_tokens)
         token_buckets = tuple(b for b in TOKEN_BUCKETS if b <= most)
@@ -252,9 +253,9 @@ def _assemble(config: EngineConfig, target: TargetModel, drafter: DFlashDraftMod
             engine.prefill_graphs = PrefillGraphs(
                 runner, proposer, kv_block_size=config.kv_block_size, max_blocks=engine.graphs.max_blocks,
                 scratch_slot=(blocks - scratch) * config.kv_block_size, device=device, token_buckets=token_buckets,
-                chunk_buckets=tuple(b for b in CHUNK_BUCKETS if b <= config.max_num_seqs), capture_now=not defer_graphs,
+                chunk_buckets=tuple(b for b in CHUNK_BUCKETS if b <= config.max_num_seqs), capture_now=not defer_warm_up,
             )
-            captured = "deferred" if defer_graphs else f"captured in {time.perf_counter() - t0:.1f} s"
+            captured = "deferred" if defer_warm_up else f"captured in {time.perf_counter() - t0:.1f} s"
             log.info("prefill graphs %s (tokens %s)", captured, token_buckets)
     if config.round_costs_dir != "":
         engine.round_cost_cache = RoundCostCache(
@@ -263,9 +264,12 @@ def _assemble(config: EngineConfig, target: TargetModel, drafter: DFlashDraftMod
              "drafter": model_shape(draft_cfg.to_dict()) if draft_cfg is not None else None,
              "engine": {k: v for k, v in config.to_dict().items() if k not in NOT_IN_KEY},
              "dtype": str(dtype), "max_model_len": max_len, **machine(device)})
-    engine.measure_round_costs()  # a drafter in another process: once it is attached
+    if defer_warm_up and proposer is not None:
+        engine.attach_when_measured(proposer)  # target-only until then, where they are to measure
+    else:
+        engine.measure_round_costs()  # a drafter in another process: once it is attached
     if device.type == "cuda":  # the sampling and acceptance kernels compiled now, not in a request's first step
-        ks = engine.speculation.ks if draft_cfg is not None else (0,)
+        ks = SpeculationPolicy(config, lookahead).ks if draft_cfg is not None else (0,)
         warm_sample_race(target.lm_head.weight.shape[0], dtype, device, [k + 1 for k in ks], config.max_num_seqs)
         warm_accept_round(device, ks)
     return engine

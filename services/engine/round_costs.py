@@ -13,7 +13,7 @@ import bisect
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +22,9 @@ from dflash_serve.services.engine.kv_cache import AttentionBatch
 
 if TYPE_CHECKING:
     from dflash_serve.services.engine.engine import Engine
+    from dflash_serve.services.engine.draft_runner import Proposer
+    from dflash_serve.services.engine.round_cost_cache import RoundCostCache
+    from dflash_serve.services.engine.speculation import SpeculationPolicy
 
 log = logging.getLogger(__name__)
 # Where every sequence sits when round costs are measured: attention's share of a round grows
@@ -325,94 +328,135 @@ def monotone(values: Sequence[float]) -> list[float]:
     return out
 
 
-def load_or_measure(engine: Engine, context: int) -> RoundCosts | None:
-    """The costs of the engine's own round shapes for the adaptive policy and the two-group gate
-    (`two_groups.TwoGroups._two_groups_pay`): the verify of every k bucket and the draft, at a few
-    batch sizes, every sequence at position `context`; and the verify of k = 0 and the draft
-    again at NEAR_COST_CONTEXT, for what a position of context adds. With CUDA graphs, by
-    replaying them (on scratch blocks); else by eager forwards on borrowed free blocks, which
-    all rows of a batch share (the writes collide harmlessly: only the time counts). Loaded
-    instead where an earlier start kept them (`engine.round_cost_cache`). None when neither
-    needs them: no batch size left to the policy, and a drafter that cannot pipeline."""
-    policy, proposer = engine.speculation, engine.proposer
-    if proposer is None or not (policy.needs_costs() or proposer.draft_groups == 2):
+def needs_costs(proposer: Proposer | None, policy: SpeculationPolicy) -> bool:
+    """Whether rounds with this drafter need measured costs: for the adaptive policy, or for the
+    two-group gate of a drafter that can pipeline (`two_groups.TwoGroups._two_groups_pay`)."""
+    return proposer is not None and (policy.needs_costs() or proposer.draft_groups == 2)
+
+
+def load_or_measure(engine: Engine, proposer: Proposer | None, policy: SpeculationPolicy,
+                    context: int = COST_CONTEXT) -> RoundCosts | None:
+    """The costs of the engine's own round shapes with `proposer`, kept from an earlier start or
+    measured now, all at once (`CostMeasurement`, whose doc says what is timed); the deferred CUDA
+    graphs are captured first, as the rounds will replay them. None where none are needed."""
+    if not needs_costs(proposer, policy):
         return None
-    context = max(0, min(context, engine.max_model_len - engine.block_size))
-    # What else the times depend on: the drafter's kind and place, the rounds timed, graphs or not.
-    graphs = engine.graphs
-    shapes = {"proposer": type(proposer).__name__, "draft_groups": proposer.draft_groups,
-              "ks": list(policy.ks), "context": context, "block_size": engine.block_size,
-              "graphs": None if graphs is None else [graphs.buckets, graphs.k_buckets]}
-    cache = engine.round_cost_cache
-    measured = cache.load(shapes) if cache is not None else None
-    if measured is not None:
-        measured["verify"] = {int(k): seconds for k, seconds in measured["verify"].items()}  # JSON keys are text
-        log.info("round costs from %s (measured at an earlier start)", cache.path(shapes))
-        return RoundCosts(**measured)
-    while engine.graphs_pending:  # timed on the graphs that rounds will replay
-        engine.capture_next_graph()
-    measured = _measure(engine, context, policy.ks)
-    costs = RoundCosts(**measured)
-    if cache is not None:
-        cache.store(shapes, measured)
-    return costs
+    measurement = CostMeasurement(engine, proposer, policy, context)
+    if measurement.costs is None:
+        while engine.graphs_pending:
+            engine.capture_next_graph()
+        while not measurement.measure_next():
+            pass
+    return measurement.costs
 
 
-def _measure(engine: Engine, context: int, ks: tuple[int, ...]) -> dict:
-    """`RoundCosts`' arguments, timed now."""
-    t0 = time.perf_counter()
+class CostMeasurement:
+    """The costs of the engine's own round shapes with `proposer` for the adaptive policy and the
+    two-group gate: the verify of every k bucket and the draft, at a few batch sizes, every
+    sequence at position `context`; and the verify of k = 0 and the draft again at
+    NEAR_COST_CONTEXT, for what a position of context adds. With CUDA graphs, by replaying them
+    (on scratch blocks: every graph must be captured first); else by eager forwards on borrowed
+    free blocks, which all rows of a batch share (the writes collide harmlessly: only the time
+    counts). Loaded instead where an earlier start kept them (`engine.round_cost_cache`), then
+    in `costs` at once.
+
+    Measured one timed round at a time (`measure_next`), so that an engine that serves
+    meanwhile stops for one at most: a CPU's eager timings of the default pair take ~16 s,
+    which a first start's requests waited for when they held the engine's loop (BENCHMARKS,
+    restarts). The engine's own state is read, not changed: the proposer is not attached yet."""
+
+    def __init__(self, engine: Engine, proposer: Proposer, policy: SpeculationPolicy, context: int = COST_CONTEXT):
+        self.proposer, self.policy = proposer, policy
+        context = max(0, min(context, engine.max_model_len - proposer.block_size))
+        # What else the times depend on: the drafter's kind and place, the rounds timed, graphs or not.
+        graphs = engine.graphs
+        shapes = {"proposer": type(proposer).__name__, "draft_groups": proposer.draft_groups,
+                  "ks": list(policy.ks), "context": context, "block_size": proposer.block_size,
+                  "graphs": None if graphs is None else [graphs.buckets, graphs.k_buckets]}
+        self.costs: RoundCosts | None = None
+        self._steps = None
+        cache = engine.round_cost_cache
+        kept = cache.load(shapes) if cache is not None else None
+        if kept is not None:
+            kept["verify"] = {int(k): seconds for k, seconds in kept["verify"].items()}  # JSON keys are text
+            log.info("round costs from %s (measured at an earlier start)", cache.path(shapes))
+            self.costs = RoundCosts(**kept)
+        else:
+            self._steps = _measuring(engine, proposer, policy.ks, context, cache, shapes)
+
+    def measure_next(self) -> bool:
+        """Time the next round shape; True once every one is (the costs are then in `costs`)."""
+        if self.costs is None:
+            try:
+                next(self._steps)
+            except StopIteration as done:
+                self.costs = done.value
+        return self.costs is not None
+
+    def cancel(self) -> None:
+        """Stop measuring: the blocks borrowed for the eager timings go back."""
+        if self._steps is not None:
+            self._steps.close()
+
+
+def _measuring(engine: Engine, proposer: Proposer, ks: tuple[int, ...], context: int,
+               cache: RoundCostCache | None, shapes: dict) -> Generator[None, None, RoundCosts]:
+    """`CostMeasurement`'s timings, a step between each; returns the costs (and keeps them)."""
+    started, timing = time.perf_counter(), 0.0
     near = min(NEAR_COST_CONTEXT, context // 2)
     # An eager draft of k drafts takes the LM head over k rows only (`DraftRunner.draft_logits`):
     # the draft is timed for each k > 0, and at `near` for the fewest, as `draft` holds.
-    drafted = [k for k in ks if k] or [engine.block_size - 1]
-    sizes, verify, draft = _time_rounds(engine, context, ks, drafted)
-    slopes = {}
+    drafted = [k for k in ks if k] or [proposer.block_size - 1]
+    sizes, verify, draft, timing = yield from _time_rounds(engine, proposer, context, ks, drafted)
+    measured = {"batch_sizes": sizes, "verify": verify, "draft": draft, "context": context}
     if near < context:
-        _, verify_near, draft_near = _time_rounds(engine, near, (0,), drafted[:1])
-        slopes["verify_slope"] = context_slope(verify[0], verify_near[0], context, near)
+        _, verify_near, draft_near, near_timing = yield from _time_rounds(engine, proposer, near, (0,), drafted[:1])
+        timing += near_timing
+        measured["verify_slope"] = context_slope(verify[0], verify_near[0], context, near)
         if draft is not None:
-            slopes["draft_slope"] = context_slope(draft, draft_near, context, near)
-    log.info("round costs measured in %.0f ms (batch sizes %s, k %s)", 1e3 * (time.perf_counter() - t0),
-             sizes, list(ks))
-    return {"batch_sizes": sizes, "verify": verify, "draft": draft, "context": context, **slopes}
+            measured["draft_slope"] = context_slope(draft, draft_near, context, near)
+    log.info("round costs measured in %.0f ms of timing, over %.1f s (batch sizes %s, k %s)", 1e3 * timing,
+             time.perf_counter() - started, sizes, list(ks))
+    if cache is not None:
+        cache.store(shapes, measured)
+    return RoundCosts(**measured)
 
 
-def _time_rounds(engine: Engine, context: int, ks: tuple[int, ...],
-                 drafted: list[int]) -> tuple[list[int], dict, list[float] | None]:
-    """Batch sizes, the verify seconds of each k in `ks` per size, and the draft's per size
-    (None where this process does not draft), every sequence at position `context`: by the
-    graphs' replays where they serve every k the policy may choose (their draft covers the
-    whole block), else eagerly (`_time_eager_rounds`, with drafts of each of `drafted`)."""
+def _time_rounds(engine: Engine, proposer: Proposer, context: int, ks: tuple[int, ...], drafted: list[int]):
+    """Batch sizes, the verify seconds of each k in `ks` per size, the draft's per size (None
+    where this process does not draft) and the seconds spent timing, every sequence at position
+    `context`: by the graphs' replays where they serve every k the policy may choose (their draft
+    covers the whole block; ~0.3 s on an H200, in one step), else eagerly (`_time_eager_rounds`,
+    with drafts of each of `drafted`)."""
     graphs = engine.graphs
-    if (graphs is not None and graphs.fits(engine.proposer, engine.block_size)
-            and set(engine.speculation.ks) <= set(graphs.k_buckets)):
+    if graphs is not None and graphs.fits(proposer, proposer.block_size) and set(ks) <= set(graphs.k_buckets):
+        t0 = time.perf_counter()
         timed = graphs.time_round(context)
         sizes = sorted(timed["verify"])
         verify = {k: [timed["verify"][n][k] for n in sizes] for k in ks}
         draft = [timed["draft"][n] for n in sizes] if timed["draft"] else None
-        return sizes, verify, draft
-    return _time_eager_rounds(engine, context, ks, drafted)
+        yield
+        return sizes, verify, draft, time.perf_counter() - t0
+    return (yield from _time_eager_rounds(engine, proposer, context, ks, drafted))
 
 
-def _time_eager_rounds(engine: Engine, context: int, ks: tuple[int, ...],
-                       drafted: list[int]) -> tuple[list[int], dict, list[float] | None]:
-    """Eager forwards at batch sizes 1, 4, half of max_num_seqs and max_num_seqs; `RoundCosts`
-    interpolates between them. On a CPU a forward's time is not linear in the batch, so the
-    line through 1 and 4 alone misjudged a full batch both ways for the default pair (16
+def _time_eager_rounds(engine: Engine, proposer: Proposer, context: int, ks: tuple[int, ...], drafted: list[int]):
+    """Eager forwards at batch sizes 1, 4, half of max_num_seqs and max_num_seqs, one a step;
+    `RoundCosts` interpolates between them. On a CPU a forward's time is not linear in the batch,
+    so the line through 1 and 4 alone misjudged a full batch both ways for the default pair (16
     sequences: the draft 56 ms predicted, 111 measured; an AR step 160 predicted, 108
     measured), and the line from 4 to 32 a half batch (16 sequences, k = 7: 396 ms
     predicted, 516 measured), and the policy speculated where AR was faster. Each size
     costs start-up time on a CPU (seconds at max_num_seqs 32, the default pair), so the
     largest size timed is at most MAX_TIMED_BATCH; larger batches extrapolate from it."""
-    block, page, device = engine.block_size, engine.allocator.block_size, engine.device
-    runner, proposer, allocator = engine.runner, engine.proposer, engine.allocator
+    block, page, device = proposer.block_size, engine.allocator.block_size, engine.device
+    runner, allocator = engine.runner, engine.allocator
     largest = min(engine.config.max_num_seqs, MAX_TIMED_BATCH)
     sizes = sorted({max(1, min(n, largest)) for n in (1, 4, largest // 2, largest)})  # max_num_seqs 1: just 1
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    table: list[int] = []
-    allocator.grow(table, context + block)
     verify: dict[int, list[float]] = {k: [] for k in ks}
     draft: list[float] | None = None if proposer.drafts_in_background else []
+    timing = 0.0
 
     def shapes(n: int, width: int):
         tables = torch.tensor([table] * n, dtype=torch.int32, device=device)
@@ -434,20 +478,41 @@ def _time_eager_rounds(engine: Engine, context: int, ks: tuple[int, ...],
             return proposer.receive_drafts()
         return call
 
-    # `draft` holds the draft of the fewest drafts; what more drafts add goes with the verify of k.
-    try:
+    def timed(call, *, first: bool = False) -> float:
+        """Seconds of a call (with `first`, one untimed call: it allocates and picks kernels)."""
+        nonlocal timing
+        t0 = time.perf_counter()
         with torch.inference_mode():
-            verify_call(sizes[-1], block - 1)()  # first calls allocate and pick kernels: once
+            if first:
+                call()
+                sync()
+                seconds = 0.0
+            else:
+                seconds = time_call(call, sync, warm_up=False)
+        timing += time.perf_counter() - t0
+        return seconds
+
+    table: list[int] = []
+    allocator.grow(table, context + block)
+    try:
+        # `draft` holds the draft of the fewest drafts; what more drafts add goes with the verify of k.
+        timed(verify_call(sizes[-1], block - 1), first=True)
+        yield
+        if draft is not None:
+            timed(draft_call(sizes[-1], block - 1), first=True)
+            yield
+        for n in sizes:
+            for k in verify:
+                verify[k].append(timed(verify_call(n, k)))
+                yield
             if draft is not None:
-                draft_call(sizes[-1], block - 1)()
-            for n in sizes:
-                for k in verify:
-                    verify[k].append(time_call(verify_call(n, k), sync, warm_up=False))
-                if draft is not None:
-                    by_k = {k: time_call(draft_call(n, k), sync, warm_up=False) for k in drafted}
-                    draft.append(by_k[drafted[0]])
-                    for k in drafted[1:]:
-                        verify[k][-1] += max(0.0, by_k[k] - by_k[drafted[0]])
+                by_k = {}
+                for k in drafted:
+                    by_k[k] = timed(draft_call(n, k))
+                    yield
+                draft.append(by_k[drafted[0]])
+                for k in drafted[1:]:
+                    verify[k][-1] += max(0.0, by_k[k] - by_k[drafted[0]])
     finally:
         allocator.release(table)
-    return sizes, verify, draft
+    return sizes, verify, draft, timing

@@ -67,9 +67,11 @@ IDLE_WAIT_S = 0.05  # how long an idle loop waits for a message before it looks 
 HEALTH_PERIOD_S = 1.0  # an idle GPU is synchronized this often: a sticky CUDA error then fails the loop
 CONNECTING_WAIT_S = 0.001  # the idle wait while a router's stream is being opened
 INTAKE_HELLO_TIMEOUT_S = 5.0  # a connection to the intake must say who it is within this
-# The CUDA graphs are captured after the engine answers, one bucket at a time: back to back while it
-# is idle, and under load one every this often (a round bucket takes ~0.5 s, a prefill one ~0.05).
-GRAPH_CAPTURE_PERIOD_S = 1.0
+# The start-up work left once the engine answers (`Engine.warm_up_next`: the CUDA graphs, a bucket at
+# a time, then a drafter's round costs, a timed round at a time) goes on back to back while the engine
+# is idle, and under load a piece every this often (a round bucket takes ~0.5 s on an H200, a prefill
+# one ~0.05; a timed round ≤ 1 s on a CPU).
+WARM_UP_PERIOD_S = 1.0
 
 
 class Pipe:
@@ -112,7 +114,6 @@ class EngineLoop:
         self._shared = []  # shared buffers the drafter maps; alive as long as this process
         self._remote_proposer = None
         self._drafter_asked = False  # ("drafter_wanted",) sent, no address back yet
-        self._drafter_waiting = None  # an address that came while graphs were still to capture
         self._replies: list = []  # messages for the replica, sent once a step
         self._channels: dict[StreamAddress, RouterChannel] = {}  # by router, reused
         # Routers' streams being opened, with the adds waiting for them.
@@ -155,22 +156,16 @@ class EngineLoop:
             capacity_rows=capacity, max_num_seqs=cfg.max_num_seqs, shared=self._shared, graphs=self.engine.graphs,
             draft_groups=2 if self.config.drafter_placement == "own_gpu" else 1,
         )
-        self.engine.attach_proposer(proposer)
+        # At a first start its round costs are still to measure: the loop does, between steps.
+        self.engine.attach_when_measured(proposer)
         self._remote_proposer = proposer
         self._drafter_asked = False
 
     def _attach_drafter(self, address) -> None:
         """The drafter actor's address, which the replica asked it for once it was up (at the start,
-        after the drafter's death, after an adoption). While CUDA graphs are still to capture it waits
-        for them (`_loop`): a first attach may measure the round costs, which captures all the rest
-        first and times them, holding the loop — on a machine's first start ~20 s of Triton compiles,
-        which requests meanwhile waited for — where the loop captures them between steps instead."""
-        if self.engine.graphs_pending:
-            self._drafter_waiting = address
-            return
+        after the drafter's death, after an adoption)."""
         try:
             self.connect_drafter(address)
-            log.info("drafter attached; speculative decoding on")
         except Exception as err:  # noqa: BLE001 - the actor is still restarting; the replica asks again
             log.info("drafter not back yet: %s", err)
             self._drafter_asked = False
@@ -206,8 +201,8 @@ class EngineLoop:
     def _loop(self) -> None:
         engine = self.engine
         losses = preemptions = queries = hits = 0
-        next_gauges = next_health = next_metrics = next_capture = 0.0
-        capturing_since = time.perf_counter() if engine.graphs_pending else None
+        next_gauges = next_health = next_metrics = next_warm_up = 0.0
+        started = time.perf_counter()
         while not self._stopping:
             now = time.monotonic()
             if now >= next_gauges:  # also idle: a gauge set once is not exported
@@ -221,20 +216,16 @@ class EngineLoop:
                         raise NotAdopted("its Ray node ended")
                 next_gauges = now + GAUGE_PERIOD_S
             busy = engine.has_unfinished()
-            if capturing_since is not None and (not busy or now >= next_capture):
-                engine.capture_next_graph()
-                next_capture = time.monotonic() + GRAPH_CAPTURE_PERIOD_S
-                if not engine.graphs_pending:
-                    log.info("CUDA graphs captured in %.1f s after the engine answered",
-                             time.perf_counter() - capturing_since)
-                    capturing_since = None
-                    if self._drafter_waiting is not None:
-                        address, self._drafter_waiting = self._drafter_waiting, None
-                        self._attach_drafter(address)
-                busy = True  # look for messages without waiting: more to capture, or what came meanwhile
+            if engine.warming_up and (not busy or now >= next_warm_up):
+                capturing = engine.graphs_pending
+                engine.warm_up_next()
+                next_warm_up = time.monotonic() + WARM_UP_PERIOD_S
+                if capturing and not engine.graphs_pending:
+                    log.info("CUDA graphs captured in %.1f s after the engine answered", time.perf_counter() - started)
+                busy = True  # look for messages without waiting: more to do, or what came meanwhile
             self._read_messages(0 if busy else CONNECTING_WAIT_S if self._connecting else IDLE_WAIT_S)
             self._admit_connected()
-            if engine.proposer is None and self.draft_block_size and not self._drafter_asked:
+            if engine.proposer is None and not engine.measuring_costs and self.draft_block_size and not self._drafter_asked:
                 self._replies.append(("drafter_wanted",))  # none yet, or it died: target-only meanwhile
                 self._drafter_asked = True
             if not engine.has_unfinished():
@@ -584,7 +575,7 @@ def build_loop(config: ServeConfig, pipe: Pipe, *, record_metrics: bool, intake_
 
     engine_cfg = config.engine
     if config.topology == "colocated":
-        return EngineLoop(build_engine(engine_cfg, defer_graphs=True), pipe, config, record_metrics=record_metrics,
+        return EngineLoop(build_engine(engine_cfg, defer_warm_up=True), pipe, config, record_metrics=record_metrics,
                           intake_host=intake_host, identity=identity)
     import torch
 
@@ -604,7 +595,7 @@ def build_loop(config: ServeConfig, pipe: Pipe, *, record_metrics: bool, intake_
     shared = config.drafter_placement == "shared"
     drafter_bytes = count_weights(draft_folder) * dtype.itemsize if shared and device.type == "cuda" else 0
     engine = assemble_engine(engine_cfg, target, None, tokenizer=tokenizer, eos_token_ids=eos, remote_drafter=draft_cfg,
-                             remote_drafter_kv_here=shared, remote_drafter_bytes=drafter_bytes, defer_graphs=True)
+                             remote_drafter_kv_here=shared, remote_drafter_bytes=drafter_bytes, defer_warm_up=True)
     return EngineLoop(engine, pipe, config, record_metrics=record_metrics, intake_host=intake_host,
                       draft_block_size=draft_cfg.block_size, identity=identity)
 

@@ -31,14 +31,14 @@ V, B = 96, 6
 
 
 def _engine(target_model, drafter, *, graphs: bool, max_num_seqs=4, target_impl="auto", async_scheduling=True,
-            speculation="fixed", spec_table=None, defer_graphs=False, round_costs_dir=None):
+            speculation="fixed", spec_table=None, defer_warm_up=False, round_costs_dir=None):
     """Every draft verified unless a test asks for the adaptive policy or a static table."""
     target = TargetModel(target_model, drafter.config.target_layer_ids if drafter is not None else ())
     config = EngineConfig(target="tiny", device="cuda", kv_block_size=16, num_kv_blocks=128,
                           max_num_seqs=max_num_seqs, cuda_graphs=graphs, target_impl=target_impl,
                           async_scheduling=async_scheduling, speculation=speculation,
                           num_speculative_tokens_per_batch_size=spec_table or {}, round_costs_dir=round_costs_dir)
-    return assemble_engine(config, target, drafter, defer_graphs=defer_graphs)
+    return assemble_engine(config, target, drafter, defer_warm_up=defer_warm_up)
 
 
 def _tiny_pair():
@@ -511,12 +511,12 @@ def test_accept_graphs_sample_and_accept_as_the_eager_round(async_scheduling):
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["chained", "synced"])
 @pytest.mark.parametrize("with_drafter", [False, True])
 def test_graphs_captured_between_steps_stay_lossless(with_drafter, async_scheduling):
-    """A serving engine's graphs deferred (`defer_graphs`) and captured one bucket after each step
+    """A serving engine's graphs deferred (`defer_warm_up`) and captured one bucket after each step
     while two requests decode: the first round runs eagerly, the next ones in the bucket of 4 (the
     largest, captured first), then in their own of 2 — the same greedy tokens."""
     model, drafter = _tiny_pair()
     engine = _engine(model, drafter if with_drafter else None, graphs=True, async_scheduling=async_scheduling,
-                     defer_graphs=True)
+                     defer_warm_up=True)
     graphs, prefill = engine.graphs, engine.prefill_graphs
     assert engine.graphs_pending and not graphs.holds(1) and not prefill.fits(1, 3, engine.proposer)
     rounds = []  # each round's bucket size, None: eager
@@ -548,7 +548,7 @@ def test_a_prefill_graph_captured_late_writes_no_running_sequences_kv():
     then). Here they name the running sequence's first block, with other tokens: the capture
     must leave that block alone — the same greedy tokens."""
     model, drafter = _tiny_pair()
-    engine = _engine(model, drafter, graphs=True, defer_graphs=True)
+    engine = _engine(model, drafter, graphs=True, defer_warm_up=True)
     while not engine.graphs.complete:
         engine.capture_next_graph()
     prompt = list(range(5, 40))
@@ -565,13 +565,18 @@ def test_a_prefill_graph_captured_late_writes_no_running_sequences_kv():
         assert engine.sequences[request].output_ids == hf_greedy(model, prompt, 40)
 
 
-def test_costs_measured_at_the_start_capture_the_deferred_graphs_first(tmp_path):
-    """With no costs kept from an earlier start, the adaptive policy's are timed on the graphs the
-    rounds will replay: the loader captures the deferred ones first."""
+def test_costs_measured_at_a_start_are_timed_on_the_deferred_graphs_once_captured(tmp_path):
+    """With no costs kept from an earlier start, a deferred engine serves target-only and times the
+    adaptive policy's costs between steps on the graphs the rounds will replay, after capturing
+    them (`warm_up_next`); then its drafter is attached. A later start loads them and attaches it
+    at once, its graphs still to capture."""
     model, drafter = _tiny_pair()
-    engine = _engine(model, drafter, graphs=True, speculation="adaptive", defer_graphs=True,
+    engine = _engine(model, drafter, graphs=True, speculation="adaptive", defer_warm_up=True,
                      round_costs_dir=str(tmp_path))
-    assert not engine.graphs_pending and engine.speculation.costs.batch_sizes == [1, 2, 4]
-    again = _engine(model, drafter, graphs=True, speculation="adaptive", defer_graphs=True,
+    assert engine.graphs_pending and engine.measuring_costs and engine.proposer is None
+    while engine.warming_up:
+        engine.warm_up_next()
+    assert engine.proposer is not None and engine.speculation.costs.batch_sizes == [1, 2, 4]
+    again = _engine(model, drafter, graphs=True, speculation="adaptive", defer_warm_up=True,
                     round_costs_dir=str(tmp_path))
-    assert again.graphs_pending and again.speculation.costs is not None  # kept: nothing captured yet
+    assert again.graphs_pending and again.proposer is not None and again.speculation.costs is not None
