@@ -18,7 +18,7 @@ from dflash_serve.services.engine.fused_target import FusedTargetRunner, fused_u
 from dflash_serve.services.engine.kv_cache import BlockAllocator, KVPool, LayerKV, window_slots_for
 from dflash_serve.services.engine.prefill_graphs import CHUNK_BUCKETS, TOKEN_BUCKETS, PrefillGraphs
 from dflash_serve.services.engine.round_cost_cache import NOT_IN_KEY, RoundCostCache, machine, model_shape
-from dflash_serve.services.engine.speculation import SpeculationPolicy, k_buckets
+from dflash_serve.services.engine.speculation import k_buckets
 from dflash_serve.services.engine.target_runner import TargetRunner, unservable_reason
 from dflash_serve.services.engine.tensor_parallel import PoolGeometry, TensorParallel, launch
 from dflash_serve.services.models import DFlashDraftConfig, DFlashDraftModel, TargetModel, load_drafter
@@ -269,7 +269,7 @@ def _assemble(config: EngineConfig, target: TargetModel, drafter: DFlashDraftMod
     else:
         engine.measure_round_costs()  # a drafter in another process: once it is attached
     if device.type == "cuda":  # the sampling and acceptance kernels compiled now, not in a request's first step
-        ks = SpeculationPolicy(config, lookahead).ks if draft_cfg is not None else (0,)
+        ks = engine.speculation.ks  # the rounds it serves first: AR alone until a drafter is attached
         warm_sample_race(target.lm_head.weight.shape[0], dtype, device, [k + 1 for k in ks], config.max_num_seqs)
         warm_accept_round(device, ks)
     return engine
