@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dflash_serve.services.engine.kv_cache import AttentionBatch
+from dflash_serve.services.engine.kv_cache import AttentionBatch, OutOfKVBlocks
 
 if TYPE_CHECKING:
     from dflash_serve.services.engine.engine import Engine
@@ -448,7 +448,11 @@ def _time_eager_rounds(engine: Engine, proposer: Proposer, context: int, ks: tup
     measured), and the line from 4 to 32 a half batch (16 sequences, k = 7: 396 ms
     predicted, 516 measured), and the policy speculated where AR was faster. Each size
     costs start-up time on a CPU (seconds at max_num_seqs 32, the default pair), so the
-    largest size timed is at most MAX_TIMED_BATCH; larger batches extrapolate from it."""
+    largest size timed is at most MAX_TIMED_BATCH; larger batches extrapolate from it.
+
+    Each forward runs on blocks borrowed for it alone and given back before the next step: an
+    engine serving meanwhile has its whole cache between timings, and while its requests hold
+    every block the timing waits for some to be free."""
     block, page, device = proposer.block_size, engine.allocator.block_size, engine.device
     runner, allocator = engine.runner, engine.allocator
     largest = min(engine.config.max_num_seqs, MAX_TIMED_BATCH)
@@ -457,8 +461,11 @@ def _time_eager_rounds(engine: Engine, proposer: Proposer, context: int, ks: tup
     verify: dict[int, list[float]] = {k: [] for k in ks}
     draft: list[float] | None = None if proposer.drafts_in_background else []
     timing = 0.0
+    if allocator.blocks_for(context + block) > allocator.num_blocks:
+        raise OutOfKVBlocks(f"timing round costs at position {context} needs {allocator.blocks_for(context + block)} "
+                            f"KV blocks; the cache has {allocator.num_blocks}")
 
-    def shapes(n: int, width: int):
+    def shapes(table: list[int], n: int, width: int):
         tables = torch.tensor([table] * n, dtype=torch.int32, device=device)
         starts = torch.full((n,), context, dtype=torch.long, device=device)
         batch = AttentionBatch.for_round(tables, starts, width, page)
@@ -466,53 +473,61 @@ def _time_eager_rounds(engine: Engine, proposer: Proposer, context: int, ks: tup
         return torch.zeros(n * width, dtype=torch.long, device=device), starts, positions, batch
 
     def verify_call(n: int, k: int):
-        ids, _, positions, batch = shapes(n, k + 1)
-        rows = torch.arange(n * (k + 1), device=device)
-        return lambda: runner.forward(ids, positions, batch, rows)
+        def make(table: list[int]):
+            ids, _, positions, batch = shapes(table, n, k + 1)
+            rows = torch.arange(n * (k + 1), device=device)
+            return lambda: runner.forward(ids, positions, batch, rows)
+        return make
 
     def draft_call(n: int, k: int):
-        ids, starts, _, batch = shapes(n, block)
+        def make(table: list[int]):
+            ids, starts, _, batch = shapes(table, n, block)
 
-        def call():
-            proposer.request_drafts((), ids[:n], starts, [table] * n, batch, num_drafts=k)
-            return proposer.receive_drafts()
-        return call
+            def call():
+                proposer.request_drafts((), ids[:n], starts, [table] * n, batch, num_drafts=k)
+                return proposer.receive_drafts()
+            return call
+        return make
 
-    def timed(call, *, first: bool = False) -> float:
-        """Seconds of a call (with `first`, one untimed call: it allocates and picks kernels)."""
+    def timed(make_call, *, first: bool = False):
+        """Seconds of the call `make_call` builds on borrowed blocks, a step after (with `first`,
+        one untimed call: it allocates and picks kernels)."""
         nonlocal timing
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            if first:
-                call()
-                sync()
-                seconds = 0.0
-            else:
-                seconds = time_call(call, sync, warm_up=False)
-        timing += time.perf_counter() - t0
+        table: list[int] = []
+        while True:
+            try:
+                allocator.grow(table, context + block)
+                break
+            except OutOfKVBlocks:
+                yield  # the running requests hold the cache: again at a later step
+        try:
+            call = make_call(table)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                if first:
+                    call()
+                    sync()
+                    seconds = 0.0
+                else:
+                    seconds = time_call(call, sync, warm_up=False)
+            timing += time.perf_counter() - t0
+        finally:
+            allocator.release(table)
+        yield
         return seconds
 
-    table: list[int] = []
-    allocator.grow(table, context + block)
-    try:
-        # `draft` holds the draft of the fewest drafts; what more drafts add goes with the verify of k.
-        timed(verify_call(sizes[-1], block - 1), first=True)
-        yield
+    # `draft` holds the draft of the fewest drafts; what more drafts add goes with the verify of k.
+    yield from timed(verify_call(sizes[-1], block - 1), first=True)
+    if draft is not None:
+        yield from timed(draft_call(sizes[-1], block - 1), first=True)
+    for n in sizes:
+        for k in verify:
+            verify[k].append((yield from timed(verify_call(n, k))))
         if draft is not None:
-            timed(draft_call(sizes[-1], block - 1), first=True)
-            yield
-        for n in sizes:
-            for k in verify:
-                verify[k].append(timed(verify_call(n, k)))
-                yield
-            if draft is not None:
-                by_k = {}
-                for k in drafted:
-                    by_k[k] = timed(draft_call(n, k))
-                    yield
-                draft.append(by_k[drafted[0]])
-                for k in drafted[1:]:
-                    verify[k][-1] += max(0.0, by_k[k] - by_k[drafted[0]])
-    finally:
-        allocator.release(table)
+            by_k = {}
+            for k in drafted:
+                by_k[k] = yield from timed(draft_call(n, k))
+            draft.append(by_k[drafted[0]])
+            for k in drafted[1:]:
+                verify[k][-1] += max(0.0, by_k[k] - by_k[drafted[0]])
     return sizes, verify, draft, timing

@@ -125,23 +125,43 @@ def test_a_drafter_whose_round_costs_are_kept_attaches_at_once(tmp_path):
     assert engine.proposer is not None and not engine.warming_up and engine.speculation.costs is not None
 
 
-def test_a_drafter_that_comes_while_another_waits_for_its_costs_replaces_it(tmp_path):
-    """The drafter of a split replica died and came back while its costs were timed: the first's
-    timing stops (its borrowed blocks back) and it is released; the second's starts afresh."""
+def _deferred_engine(tmp_path, **settings):
+    """A deferred engine with adaptive speculation and no round costs kept: its drafter waits for them."""
     target, drafter = save_tiny_pair(tmp_path, block_size=6)
     config = ServeConfig.from_dict({"engine": {"target": target, "drafter": drafter, "max_num_seqs": 2,
-                                               "speculation": "adaptive", "round_costs_dir": str(tmp_path / "costs")}})
+                                               "speculation": "adaptive", "round_costs_dir": str(tmp_path / "costs"),
+                                               **settings}})
     engine = build_engine(config.engine, defer_warm_up=True)
+    assert engine.measuring_costs
+    return engine
+
+
+def test_a_drafter_that_comes_while_another_waits_for_its_costs_replaces_it(tmp_path):
+    """The drafter of a split replica died and came back while its costs were timed: the first's
+    timing stops and it is released; the second's starts afresh. No KV block is held between timings."""
+    engine = _deferred_engine(tmp_path)
     first = engine._measurement.proposer
-    free = engine.allocator.num_free
-    engine.warm_up_next()  # its first timing borrows blocks
-    assert engine.allocator.num_free < free
+    engine.warm_up_next()
+    assert engine.allocator.num_free == engine.allocator.num_blocks
     released = []
     second = copy.copy(first)  # another drafter object (on the same pools: the first's release is recorded only)
     first.release = lambda: released.append(first)
     engine.attach_when_measured(second)
-    assert released == [first] and engine.allocator.num_free == free and engine.measuring_costs
+    assert released == [first] and engine.measuring_costs
     while engine.warming_up:
         engine.warm_up_next()
     assert engine.proposer is second
     assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_the_timings_wait_while_the_running_requests_hold_every_kv_block(tmp_path):
+    engine = _deferred_engine(tmp_path, num_kv_blocks=40)
+    held: list[int] = []
+    engine.allocator.grow(held, engine.allocator.num_blocks * engine.allocator.block_size)
+    for _ in range(3):
+        engine.warm_up_next()
+    assert engine.measuring_costs and engine.proposer is None
+    engine.allocator.release(held)
+    while engine.warming_up:
+        engine.warm_up_next()
+    assert engine.proposer is not None and engine.speculation.costs is not None
