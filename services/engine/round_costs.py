@@ -367,7 +367,9 @@ class CostMeasurement:
 
     def __init__(self, engine: Engine, proposer: Proposer, policy: SpeculationPolicy, context: int = COST_CONTEXT):
         self.proposer, self.policy = proposer, policy
-        context = max(0, min(context, engine.max_model_len - proposer.block_size))
+        # Within the model's length, and the cache's (the eager timings borrow blocks for it).
+        capacity = engine.allocator.num_blocks * engine.allocator.block_size
+        context = max(0, min(context, min(engine.max_model_len, capacity) - proposer.block_size))
         # What else the times depend on: the drafter's kind and place, the rounds timed, graphs or not.
         graphs = engine.graphs
         shapes = {"proposer": type(proposer).__name__, "draft_groups": proposer.draft_groups,
@@ -461,9 +463,6 @@ def _time_eager_rounds(engine: Engine, proposer: Proposer, context: int, ks: tup
     verify: dict[int, list[float]] = {k: [] for k in ks}
     draft: list[float] | None = None if proposer.drafts_in_background else []
     timing = 0.0
-    if allocator.blocks_for(context + block) > allocator.num_blocks:
-        raise OutOfKVBlocks(f"timing round costs at position {context} needs {allocator.blocks_for(context + block)} "
-                            f"KV blocks; the cache has {allocator.num_blocks}")
 
     def shapes(table: list[int], n: int, width: int):
         tables = torch.tensor([table] * n, dtype=torch.int32, device=device)

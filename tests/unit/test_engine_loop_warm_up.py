@@ -165,3 +165,10 @@ def test_the_timings_wait_while_the_running_requests_hold_every_kv_block(tmp_pat
     while engine.warming_up:
         engine.warm_up_next()
     assert engine.proposer is not None and engine.speculation.costs is not None
+
+
+def test_a_cache_smaller_than_the_timed_context_has_them_timed_at_a_context_it_holds(tmp_path):
+    engine = _deferred_engine(tmp_path, num_kv_blocks=8)
+    while engine.warming_up:
+        engine.warm_up_next()
+    assert engine.speculation.costs.context == 8 * engine.allocator.block_size - 6  # its block of 6 after it
