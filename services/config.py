@@ -144,7 +144,8 @@ class EngineConfig(_Config):
     round_costs_dir: str | None = Field(
         None, description="Where the round costs measured at start-up are kept for later starts and other replicas "
         "(one file per model shapes, settings and machine; on Kubernetes a volume the replicas share); null: "
-        "round-costs/ in the model cache ($DFLASH_CACHE); empty: measure them at every start.")
+        "round-costs/ in the model cache ($DFLASH_CACHE); empty: measure them at every start (a served replica serves "
+        "target-only meanwhile and attaches the drafter once they are timed).")
     synthetic_acceptance_length: float | None = Field(
         None, ge=1, description="BENCHMARKS ONLY, outputs are then NOT the target's: every round that verifies drafts "
         "accepts as many as keep the mean acceptance length (tau) at this value, whatever the drafter proposed, to time "
