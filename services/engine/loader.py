@@ -253,7 +253,8 @@ def _assemble(config: EngineConfig, target: TargetModel, drafter: DFlashDraftMod
             engine.prefill_graphs = PrefillGraphs(
                 runner, proposer, kv_block_size=config.kv_block_size, max_blocks=engine.graphs.max_blocks,
                 scratch_slot=(blocks - scratch) * config.kv_block_size, device=device, token_buckets=token_buckets,
-                chunk_buckets=tuple(b for b in CHUNK_BUCKETS if b <= config.max_num_seqs), capture_now=not defer_warm_up,
+                chunk_buckets=tuple(b for b in CHUNK_BUCKETS if b <= config.max_num_seqs),
+                capture_now=not defer_warm_up,
             )
             captured = "deferred" if defer_warm_up else f"captured in {time.perf_counter() - t0:.1f} s"
             log.info("prefill graphs %s (tokens %s)", captured, token_buckets)

@@ -225,7 +225,8 @@ class EngineLoop:
                 busy = True  # look for messages without waiting: more to do, or what came meanwhile
             self._read_messages(0 if busy else CONNECTING_WAIT_S if self._connecting else IDLE_WAIT_S)
             self._admit_connected()
-            if engine.proposer is None and not engine.measuring_costs and self.draft_block_size and not self._drafter_asked:
+            drafterless = engine.proposer is None and not engine.measuring_costs
+            if drafterless and self.draft_block_size and not self._drafter_asked:
                 self._replies.append(("drafter_wanted",))  # none yet, or it died: target-only meanwhile
                 self._drafter_asked = True
             if not engine.has_unfinished():
