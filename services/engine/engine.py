@@ -349,13 +349,11 @@ class Engine(Prefilling, Rounds, TwoGroups):
         self.proposer_losses += 1
 
     def attach_proposer(self, proposer: Proposer) -> None:
-        """Speculate again with a (new) drafter, its round costs measured first where they are
-        neither known nor kept from an earlier start (`round_costs.load_or_measure`)."""
-        self._cancel_measurement(keeping=proposer)
-        policy = self._policy_for(proposer)
-        if policy.costs is None:
-            policy.costs = load_or_measure(self, proposer, policy)
-        self._attach(proposer, policy)
+        """Speculate again with a (new) drafter, now: `attach_when_measured`, its warm-up run
+        through at once where its round costs are neither known nor kept from an earlier start."""
+        self.attach_when_measured(proposer)
+        while self.measuring_costs:
+            self.warm_up_next()
 
     def attach_when_measured(self, proposer: Proposer) -> None:
         """`attach_proposer` for an engine that serves meanwhile: where the drafter's round costs
